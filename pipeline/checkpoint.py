@@ -1,0 +1,81 @@
+"""What the planner needs from a Hugging Face checkpoint's config.json, without torch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.errors import CheckpointError, UnsupportedArchitectureError
+
+# model_type values whose attention is q_proj/k_proj/v_proj/o_proj with a head_dim.
+SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}  # value: q/k/v have biases
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    model_type: str
+    hidden: int
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool
+
+    def param_count(self, padded_q: int | None = None, padded_kv: int | None = None) -> int:
+        """Parameters, with attention sized for padded head counts when given."""
+        q = padded_q or self.q_heads
+        kv = padded_kv or self.kv_heads
+        d, h = self.head_dim, self.hidden
+        attn = h * q * d + 2 * h * kv * d + q * d * h
+        if self.qkv_bias:
+            attn += q * d + 2 * kv * d
+        mlp = 3 * h * self.intermediate
+        per_layer = attn + mlp + 2 * h
+        embed = self.vocab * h * (1 if self.tied_embeddings else 2)
+        return self.layers * per_layer + embed + h
+
+
+def read_shape(checkpoint: Path) -> ModelShape:
+    """Read ``checkpoint/config.json``; unsupported architectures get a clear error."""
+    path = Path(checkpoint) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(
+            str(checkpoint), "no config.json", "point at a Hugging Face checkpoint directory"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            str(path), f"not valid JSON: {e.msg} at line {e.lineno}", None
+        ) from None
+    model_type = cfg.get("model_type", "?")
+    if model_type not in SUPPORTED:
+        arch = ",".join(cfg.get("architectures") or [model_type])
+        raise UnsupportedArchitectureError(
+            str(checkpoint),
+            f"architecture {arch} (model_type '{model_type}') is not supported",
+            f"supported model types: {', '.join(sorted(SUPPORTED))}",
+        )
+    try:
+        q = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return ModelShape(
+            model_type=model_type,
+            hidden=hidden,
+            layers=int(cfg["num_hidden_layers"]),
+            q_heads=q,
+            kv_heads=int(cfg.get("num_key_value_heads") or q),
+            head_dim=int(cfg.get("head_dim") or hidden // q),
+            intermediate=int(cfg["intermediate_size"]),
+            vocab=int(cfg["vocab_size"]),
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", SUPPORTED[model_type])),
+        )
+    except KeyError as e:
+        raise CheckpointError(
+            str(path), f"missing key {e.args[0]}", "is this a decoder LLM?"
+        ) from None

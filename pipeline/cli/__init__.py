@@ -1,0 +1,45 @@
+"""The ``inf2-pipeline`` command: thin Typer commands over library functions.
+
+Each command group lives in its own module and is composed here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pipeline import __version__
+from pipeline.cli import buckets, config, gqa, model
+from pipeline.cli._common import new_app
+
+app = new_app("Ahead-of-time compilation and artifact pipeline for AWS Inferentia2.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
+    """Ahead-of-time compilation and artifact pipeline for AWS Inferentia2."""
+
+
+model.register(app)
+config.register(app)
+app.add_typer(gqa.app, name="gqa")
+app.add_typer(buckets.app, name="buckets")
+
+
+def main() -> None:
+    app()

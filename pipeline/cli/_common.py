@@ -1,0 +1,87 @@
+"""What every command shares: option aliases, output helpers, and the error-to-one-line rule."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+try:  # Typer ≥ 0.20 vendors click; its exceptions live here, not in `click`.
+    from typer._click import exceptions as cx
+except ImportError:  # pragma: no cover - older Typer uses click itself
+    from click import exceptions as cx  # type: ignore[no-redef]
+
+from pipeline.errors import PipelineError
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+StoreOpt = Annotated[
+    str | None,
+    typer.Option("--store", help="Artifact store: a path, file://PATH or s3://BUCKET/PREFIX."),
+]
+
+
+class OneLineErrors(TyperGroup):
+    """Turns PipelineError and usage errors into ``error: <what>: <why> (<hint>)``.
+
+    Exit codes: 2 bad input, 1 outside-world failure, 130 interrupted. ``--debug`` keeps
+    the traceback.
+    """
+
+    def main(self, args=None, prog_name=None, standalone_mode=True, **extra):  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        debug = "--debug" in argv
+        try:
+            rv = super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
+            if isinstance(rv, int) and rv:  # non-standalone click returns typer.Exit's code
+                sys.exit(rv)
+            return rv
+        except PipelineError as e:
+            if debug:
+                raise
+            _fail(e.one_line(), e.exit_code)
+        except cx.NoArgsIsHelpError:
+            sys.exit(2)  # help was already printed
+        except cx.UsageError as e:
+            cmd = e.ctx.command_path if e.ctx else "inf2-pipeline"
+            _fail(f"{cmd}: {e.format_message()} (see '{cmd} --help')", 2)
+        except typer.Exit as e:
+            sys.exit(e.exit_code)
+        except (typer.Abort, KeyboardInterrupt):
+            _fail("interrupted", 130)
+        except cx.ClickException as e:
+            _fail(e.format_message(), e.exit_code)
+        except OSError as e:
+            if debug:
+                raise
+            _fail(f"{getattr(e, 'filename', None) or 'I/O'}: {e.strerror or e}", 1)
+        return None
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def new_app(help: str) -> typer.Typer:
+    return typer.Typer(
+        help=help,
+        cls=OneLineErrors,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        add_completion=False,
+    )
+
+
+def print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=False, default=str))
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -1,0 +1,107 @@
+"""Every error the pipeline raises on purpose.
+
+Each class carries fields and subclasses the builtin it resembles, so callers can catch
+either. The CLI prints one line per error, ``error: <what>: <why> (<hint>)``, and exits
+with ``exit_code``: 2 for bad input, 1 for failures of the outside world (retriable).
+"""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """Base class. ``what`` names the thing, ``why`` the problem, ``hint`` the fix."""
+
+    exit_code = 1
+
+    def __init__(self, what: str, why: str, hint: str | None = None) -> None:
+        self.what = what
+        self.why = why
+        self.hint = hint
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        line = f"{self.what}: {self.why}"
+        return f"{line} ({self.hint})" if self.hint else line
+
+
+class InputError(PipelineError, ValueError):
+    """The user's input is wrong; retrying will not help (exit 2)."""
+
+    exit_code = 2
+
+
+class ConfigError(InputError):
+    """A config or grid file is invalid; names the file, line and field."""
+
+    def __init__(
+        self,
+        path: str,
+        why: str,
+        hint: str | None = None,
+        *,
+        line: int | None = None,
+        field: str | None = None,
+    ) -> None:
+        self.path = path
+        self.line = line
+        self.field = field
+        where = f"{path}:{line}" if line else path
+        if field:
+            where = f"{where}: {field}"
+        super().__init__(where, why, hint)
+
+
+class PlanError(InputError):
+    """A plan cannot be made from these numbers (heads, tp, instance)."""
+
+
+class CheckpointError(InputError, FileNotFoundError):
+    """A model checkpoint directory is missing or unusable."""
+
+
+class UnsupportedArchitectureError(InputError):
+    """The checkpoint's architecture has no padding or compile support."""
+
+
+class TraceError(InputError):
+    """A request trace file cannot be read."""
+
+
+class BackendUnavailableError(InputError):
+    """The requested compile backend cannot run on this machine (missing SDK, no GPU)."""
+
+
+class CompileError(PipelineError):
+    """One or more buckets failed to compile."""
+
+    def __init__(self, what: str, why: str, hint: str | None = None, *, failed=()) -> None:
+        self.failed = tuple(failed)
+        super().__init__(what, why, hint)
+
+
+class StoreError(PipelineError):
+    """The artifact store could not be read or written (network, permissions)."""
+
+
+class NotFoundError(InputError, LookupError):
+    """A model, release, channel or blob does not exist in the store."""
+
+
+class AlreadyExistsError(InputError, FileExistsError):
+    """A release version already exists; releases are immutable."""
+
+
+class ConflictError(PipelineError):
+    """A compare-and-swap lost a race (a channel moved underneath us); retry."""
+
+
+class IntegrityError(PipelineError):
+    """Bytes did not match their recorded sha256 or size."""
+
+
+class MissingBucketsError(InputError):
+    """A release cannot be assembled: some buckets have no compile cache entry."""
+
+
+class RuntimeMismatchError(InputError):
+    """This runtime cannot run the release (backend, torch or compiler version)."""

@@ -1,0 +1,40 @@
+"""Accelerator instances the planner knows: NeuronCores and device memory (HBM).
+
+Each Inferentia2 chip has 2 NeuronCores sharing 32 GiB of HBM; a Trainium1 chip also has
+2 NeuronCores and 32 GiB (trn1 hosts are common compile machines).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str
+    chips: int
+    cores_per_chip: int = 2
+    hbm_per_chip: int = 32 * GIB
+
+    @property
+    def cores(self) -> int:
+        return self.chips * self.cores_per_chip
+
+    @property
+    def hbm_per_core(self) -> int:
+        return self.hbm_per_chip // self.cores_per_chip
+
+
+INSTANCES: dict[str, Instance] = {
+    i.name: i
+    for i in (
+        Instance("inf2.xlarge", chips=1),
+        Instance("inf2.8xlarge", chips=1),
+        Instance("inf2.24xlarge", chips=6),
+        Instance("inf2.48xlarge", chips=12),
+        Instance("trn1.2xlarge", chips=1),
+        Instance("trn1.32xlarge", chips=16),
+    )
+}

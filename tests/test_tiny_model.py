@@ -1,0 +1,27 @@
+import pytest
+
+from pipeline.checkpoint import read_shape
+from pipeline.tiny_model import write_tiny_model
+
+
+def test_deterministic_bytes(tmp_path):
+    a = write_tiny_model(tmp_path / "a", seed=3)
+    b = write_tiny_model(tmp_path / "b", seed=3)
+    c = write_tiny_model(tmp_path / "c", seed=4)
+    read = lambda p: (p / "model.safetensors").read_bytes()  # noqa: E731
+    assert read(a) == read(b) != read(c)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_loads_in_transformers_and_runs(tmp_path, arch):
+    import torch
+    import transformers
+
+    path = write_tiny_model(tmp_path / arch, arch=arch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.num_attention_heads == 8 and model.config.num_key_value_heads == 2
+    logits = model(torch.tensor([[1, 5, 9]])).logits
+    assert logits.shape == (1, 3, 512)
+    shape = read_shape(path)
+    assert shape.qkv_bias == (arch == "qwen2")
+    assert shape.param_count() == sum(p.numel() for p in model.parameters())
