@@ -29,6 +29,24 @@ def atomic_writer(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
             os.unlink(tmp)
 
 
+def atomic_create(path: Path, data: bytes) -> None:
+    """Create ``path`` with ``data`` only if absent (FileExistsError otherwise).
+
+    The bytes go to a temporary file first; ``os.link`` then publishes them in one step and
+    refuses to replace an existing file, so readers never see a partial file.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".incomplete", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.link(tmp, path)
+    finally:
+        os.unlink(tmp)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     with atomic_writer(path, "w") as f:
         f.write(text)

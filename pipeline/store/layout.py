@@ -1,0 +1,53 @@
+"""Where things live in a store (DESIGN.md "Artifact store"). The only place keys are built."""
+
+from __future__ import annotations
+
+import re
+
+from pipeline.errors import InputError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check(kind: str, value: str) -> str:
+    if not _NAME.match(value):
+        raise InputError(
+            f"{kind} '{value}'",
+            "not a valid name",
+            "use letters, digits, '.', '_' and '-' (up to 128)",
+        )
+    return value
+
+
+def blob_key(digest: str) -> str:
+    if not _HEX.match(digest):
+        raise InputError(f"digest '{digest}'", "not a sha256 hex digest", None)
+    return f"blobs/sha256/{digest}"
+
+
+def release_key(model: str, version: str) -> str:
+    return f"models/{_check('model', model)}/releases/{_check('version', version)}.json"
+
+
+def releases_prefix(model: str) -> str:
+    return f"models/{_check('model', model)}/releases/"
+
+
+def channel_key(model: str, channel: str) -> str:
+    return f"models/{_check('model', model)}/channels/{_check('channel', channel)}.json"
+
+
+def channels_prefix(model: str) -> str:
+    return f"models/{_check('model', model)}/channels/"
+
+
+def cache_key(key: str) -> str:
+    if not _HEX.match(key):
+        raise InputError(f"cache key '{key}'", "not a sha256 hex digest", None)
+    return f"cache/{key}.json"
+
+
+MODELS_PREFIX = "models/"
+CACHE_PREFIX = "cache/"
+BLOBS_PREFIX = "blobs/sha256/"
