@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from pipeline import __version__
-from pipeline.cli import buckets, config, gqa, model
+from pipeline.cli import buckets, config, gqa, model, pull
 from pipeline.cli._common import new_app
 
 app = new_app("Ahead-of-time compilation and artifact pipeline for AWS Inferentia2.")
@@ -37,6 +37,7 @@ def _root(
 
 model.register(app)
 config.register(app)
+pull.register(app)
 app.add_typer(gqa.app, name="gqa")
 app.add_typer(buckets.app, name="buckets")
 

@@ -1,0 +1,104 @@
+"""Every `inf2-pipeline` command line in ci/ (workflows, Kubernetes manifests, Dockerfiles)
+must be accepted by the CLI: the subcommand exists and its options parse."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.main import get_command
+
+from pipeline.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+CI_FILES = sorted(
+    p for p in (REPO / "ci").rglob("*") if p.is_file() and p.suffix in (".yaml", ".yml")
+)
+
+
+def _strings(node):
+    if isinstance(node, dict):
+        for v in node.values():
+            yield from _strings(v)
+    elif isinstance(node, list):
+        if node and all(isinstance(x, str) for x in node):
+            yield node
+        for v in node:
+            yield from _strings(v)
+    elif isinstance(node, str):
+        yield node
+
+
+def command_lines(path: Path) -> list[list[str]]:
+    """argv lists after `inf2-pipeline`, from shell strings and container command/args."""
+    found = []
+    for doc in yaml.safe_load_all(path.read_text()):
+        for item in _strings(doc):
+            if isinstance(
+                item, list
+            ):  # exec form: ["pull", ...] under an image whose ENTRYPOINT is the CLI
+                if item and item[0] == "inf2-pipeline":
+                    found.append(item[1:])
+                elif item and item[0] in _top_level_commands():
+                    found.append(item)
+                continue
+            text = item.replace("\\\n", " ")
+            for m in re.finditer(r"(?<![\w./-])inf2-pipeline[ \t]((?:[^\n;&|`)])*)", text):
+                argv = shlex.split(m.group(1))
+                if argv:
+                    found.append(argv)
+    return found
+
+
+def _top_level_commands() -> set[str]:
+    return set(get_command(app).commands)
+
+
+def _substitute(argv: list[str]) -> list[str]:
+    # Shell and workflow variables ($X, ${X}, ${{ x }}) become placeholders.
+    return [re.sub(r"\$\{\{[^}]*\}\}|\$\{[^}]*\}|\$[A-Za-z_][A-Za-z0-9_]*", "x1", a) for a in argv]
+
+
+def assert_accepted(argv: list[str]) -> None:
+    cmd = get_command(app)
+    ctx = cmd.make_context("inf2-pipeline", [], resilient_parsing=True)
+    args = list(argv)
+    while hasattr(cmd, "commands"):
+        assert args, f"missing subcommand in {argv}"
+        name = args.pop(0)
+        assert name in cmd.commands, f"unknown command '{name}' in {argv}"
+        cmd = cmd.commands[name]
+    cmd.make_context(name, _substitute(args), parent=ctx)  # raises on unknown options
+
+
+@pytest.mark.parametrize("path", CI_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_command_in_ci_files_parses(path):
+    lines = command_lines(path)
+    for argv in lines:
+        assert_accepted(argv)
+
+
+def test_the_checker_rejects_bad_lines():
+    with pytest.raises(AssertionError, match="unknown command"):
+        assert_accepted(["pul", "m"])
+    with pytest.raises(Exception, match="No such option"):
+        assert_accepted(["pull", "m", "--dest", "/d", "--chanel", "prod"])
+
+
+def test_serving_pod_pulls_with_the_cli():
+    lines = command_lines(REPO / "ci/k8s/serving-pod.yaml")
+    assert [
+        "pull",
+        "llama-3-8b",
+        "--channel",
+        "prod",
+        "--dest",
+        "/models",
+        "--store",
+        "s3://my-model-artifacts/inf2",
+        "--concurrency",
+        "32",
+    ] in lines

@@ -1,0 +1,253 @@
+"""pull: atomic install, resume, verification, path safety, retries — on the local store.
+
+The same scenarios run against a real S3 endpoint in tests/test_pull_s3.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.errors import InputError, IntegrityError, NotFoundError, StoreError
+from pipeline.pull import pull_release, with_retries
+from pipeline.release_dir import resolve_release
+from pipeline.store import open_store
+from pipeline.store.layout import blob_key, release_key
+from tests.release_factory import make_release, point_channel
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def store(tmp_path):
+    return open_store(str(tmp_path / "store"))
+
+
+def _installed_bytes(release_dir: Path, manifest) -> dict[str, bytes]:
+    out = {p.name: p.read_bytes() for p in release_dir.glob("buckets/*/*")}
+    assert len(out) >= 1
+    return out
+
+
+def test_pull_installs_atomically_and_points_current(store, tmp_path):
+    m = make_release(store, tmp_path)
+    dest = tmp_path / "dest"
+    r = pull_release(store, "m", dest, version="v1")
+    assert r.path == dest / "m" / "v1" and not r.already_installed
+    assert os.readlink(dest / "m" / "current") == "v1"
+    assert resolve_release(dest / "m") == (dest / "m" / "v1").resolve()
+    for name, bucket in m.buckets.items():
+        for ref in bucket.files:
+            assert (r.path / "buckets" / name / ref.path).stat().st_size == ref.size
+    assert (r.path / "config.json").read_bytes() == b'{"model_type": "llama"}'
+    assert json.loads((r.path / "manifest.json").read_text())["version"] == "v1"
+    assert not list((dest / "m").glob(".staging-*"))
+    again = pull_release(store, "m", dest, version="v1")
+    assert again.already_installed and again.downloaded_bytes == 0
+
+
+def test_pull_by_channel_and_upgrade_swaps_current(store, tmp_path):
+    make_release(store, tmp_path, version="v1")
+    make_release(store, tmp_path, version="v2")
+    point_channel(store, "m", "prod", "v1")
+    dest = tmp_path / "dest"
+    assert pull_release(store, "m", dest, channel="prod").version == "v1"
+    point_channel(store, "m", "prod", "v2")
+    assert pull_release(store, "m", dest, channel="prod").version == "v2"
+    assert os.readlink(dest / "m" / "current") == "v2"
+    assert (dest / "m" / "v1" / "manifest.json").is_file()  # the old one stays for rollback
+
+
+def test_missing_channel_version_and_model_are_clear(store, tmp_path):
+    make_release(store, tmp_path)
+    with pytest.raises(NotFoundError, match="channel 'prod'"):
+        pull_release(store, "m", tmp_path / "d", channel="prod")
+    with pytest.raises(NotFoundError, match="release m v9"):
+        pull_release(store, "m", tmp_path / "d", version="v9")
+    r = runner.invoke(
+        app, ["pull", "m", "--channel", "prod", "--dest", str(tmp_path / "d"), "--store", store.url]
+    )
+    assert r.exit_code == 2 and r.stderr.startswith("error: channel 'prod' of model 'm'")
+    r = runner.invoke(app, ["pull", "m", "--dest", str(tmp_path / "d"), "--store", store.url])
+    assert r.exit_code == 2 and "exactly one of --version or --channel" in r.stderr
+
+
+def test_corrupted_blob_fails_and_leaves_previous_install(store, tmp_path):
+    make_release(store, tmp_path, version="v1")
+    m2 = make_release(store, tmp_path, version="v2")
+    dest = tmp_path / "dest"
+    pull_release(store, "m", dest, version="v1")
+    before = _installed_bytes(dest / "m" / "v1", None)
+    victim = m2.buckets["b1_s32"].files[0]
+    blob = Path(store.url) / blob_key(victim.sha256)
+    blob.write_bytes(b"X" + blob.read_bytes()[1:])  # same size, different bytes
+    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+        pull_release(store, "m", dest, version="v2")
+    assert os.readlink(dest / "m" / "current") == "v1"
+    assert not (dest / "m" / "v2").exists()
+    assert _installed_bytes(dest / "m" / "v1", None) == before
+    r = runner.invoke(
+        app, ["pull", "m", "--version", "v2", "--dest", str(dest), "--store", store.url]
+    )
+    assert r.exit_code == 1 and "sha256 mismatch" in r.stderr
+
+
+@pytest.mark.parametrize("evil", ["../escape.bin", "/etc/evil", "a/../../x", "", "./x", "a//b"])
+def test_manifest_paths_outside_dest_are_refused(store, tmp_path, evil):
+    m = make_release(store, tmp_path, version="v1")
+    data = json.loads(store.get_bytes(release_key("m", "v1")))
+    data["buckets"]["b1_s32"]["files"][0]["path"] = evil
+    data["version"] = "evil"
+    store.put_bytes(release_key("m", "evil"), json.dumps(data).encode())
+    dest = tmp_path / "dest"
+    with pytest.raises(InputError, match="outside the release directory"):
+        pull_release(store, "m", dest, version="evil")
+    assert not (tmp_path / "escape.bin").exists() and not (dest / "m" / "evil").exists()
+    assert m.version == "v1"
+
+
+def test_resume_keeps_verified_files(store, tmp_path):
+    m = make_release(store, tmp_path)
+    dest = tmp_path / "dest"
+    staging = dest / "m" / ".staging-v1"
+    # what a killed pull leaves: one complete verified file, one partial temp file
+    ref = m.buckets["b2_s64"].files[0]
+    (staging / "buckets/b2_s64").mkdir(parents=True)
+    store.get_file(blob_key(ref.sha256), staging / "buckets/b2_s64" / ref.path)
+    (staging / "buckets/b1_s32/.prefill.pt2.incomplete").parent.mkdir(parents=True)
+    (staging / "buckets/b1_s32/.prefill.pt2.incomplete").write_bytes(b"partial")
+    r = pull_release(store, "m", dest, version="v1")
+    assert r.reused_bytes == ref.size
+    assert (
+        r.downloaded_bytes
+        == sum(f.size for b in m.buckets.values() for f in b.files)
+        + sum(f.size for f in m.files)
+        - ref.size
+    )
+    assert not list(r.path.rglob("*.incomplete"))
+
+
+def test_resume_after_sigkill_mid_download(store, tmp_path):
+    """A real kill: a subprocess pulls through a slowed store, is SIGKILLed, then resumes."""
+    files = {f"part{i}.bin": os.urandom(40_000) for i in range(12)}
+    m = make_release(store, tmp_path, buckets={"b1_s32": files})
+    dest = tmp_path / "dest"
+    script = textwrap.dedent(f"""
+        import time, sys
+        from pipeline.store import open_store
+        from pipeline.pull import pull_release
+        store = open_store({store.url!r})
+        slow = store.get_range
+        def get_range(*a):
+            time.sleep(0.15)
+            return slow(*a)
+        store.get_range = get_range
+        pull_release(store, "m", __import__("pathlib").Path({str(dest)!r}), version="v1",
+                     concurrency=1)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parent.parent)
+    staging = dest / "m" / ".staging-v1" / "buckets" / "b1_s32"
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len([p for p in staging.glob("part*.bin")]) < 3:
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    done = len(list(staging.glob("part*.bin")))
+    assert 3 <= done < len(files), "the kill should land mid-download"
+    r = pull_release(store, "m", dest, version="v1")
+    assert r.reused_bytes >= done * 40_000
+    for name, data in files.items():
+        assert (r.path / "buckets/b1_s32" / name).read_bytes() == data
+    assert m.version == "v1"
+
+
+def test_large_files_are_fetched_in_parallel_ranges(store, tmp_path):
+    big = os.urandom(1_000_003)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"weights.bin": big}})
+    ref = m.buckets["b1_s32"].files[0]
+    calls = []
+    real = store.get_range
+
+    def spy(key, start, length):
+        if key == blob_key(ref.sha256):
+            calls.append((start, length))
+        return real(key, start, length)
+
+    store.get_range = spy
+    r = pull_release(store, "m", tmp_path / "d", version="v1", chunk_size=1 << 16, concurrency=4)
+    assert (r.path / "buckets/b1_s32/weights.bin").read_bytes() == big
+    assert len(calls) == -(-len(big) // (1 << 16))
+
+
+def test_retries_transient_errors_then_gives_up():
+    attempts = []
+
+    def flaky():
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise StoreError("s3://b/k", "503 Slow Down", None)
+        return b"ok"
+
+    assert with_retries(flaky, base=0.001) == b"ok" and len(attempts) == 3
+    with pytest.raises(StoreError):
+        with_retries(
+            lambda: (_ for _ in ()).throw(StoreError("k", "500", None)), attempts=2, base=0.001
+        )
+    calls = []
+
+    def missing():
+        calls.append(1)
+        raise NotFoundError("k", "not found", None)
+
+    with pytest.raises(NotFoundError):
+        with_retries(missing, base=0.001)
+    assert len(calls) == 1
+
+
+def test_pull_cli_json(store, tmp_path):
+    make_release(store, tmp_path)
+    r = runner.invoke(
+        app,
+        [
+            "pull",
+            "m",
+            "--version",
+            "v1",
+            "--dest",
+            str(tmp_path / "d"),
+            "--store",
+            store.url,
+            "--json",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["version"] == "v1" and data["downloaded_bytes"] > 0 and data["files"] == 5
+
+
+def test_pull_path_imports_no_torch():
+    code = (
+        "import sys\n"
+        "from pipeline.cli import app\n"
+        "try:\n    app(['pull', '--help'])\nexcept SystemExit:\n    pass\n"
+        "import pipeline.pull, pipeline.store.s3\n"
+        "bad = [m for m in ('torch', 'transformers', 'numpy', 'safetensors') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert out.returncode == 0, out.stderr
