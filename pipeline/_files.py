@@ -13,6 +13,16 @@ from typing import BinaryIO
 CHUNK = 1 << 20
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates files 0600; files a user later reads get the usual 0666 & ~umask.
+FILE_MODE = 0o666 & ~_umask()
+
+
 @contextmanager
 def atomic_writer(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
     """Open a temporary file beside ``path``; rename it over ``path`` only on success."""
@@ -23,6 +33,7 @@ def atomic_writer(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -42,6 +53,7 @@ def atomic_create(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.link(tmp, path)
     finally:
         os.unlink(tmp)

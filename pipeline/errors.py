@@ -105,3 +105,27 @@ class MissingBucketsError(InputError):
 
 class RuntimeMismatchError(InputError):
     """This runtime cannot run the release (backend, torch or compiler version)."""
+
+
+class TraceNotFoundError(TraceError, FileNotFoundError):
+    """A request trace file does not exist or cannot be opened."""
+
+
+class TraceColumnError(TraceError, LookupError):
+    """A trace lacks a requested column; ``columns`` lists the ones it has."""
+
+    def __init__(self, what: str, why: str, hint: str | None = None, *, columns=()) -> None:
+        self.columns = tuple(columns)
+        super().__init__(what, why, hint)
+
+
+class TraceValueError(TraceError):
+    """A trace cell is not a whole number of tokens ≥ 0; ``line`` is the file's line."""
+
+    def __init__(self, what: str, why: str, hint: str | None = None, *, line: int = 0) -> None:
+        self.line = line
+        super().__init__(what, why, hint)
+
+
+class EmptyTraceError(TraceError):
+    """A trace has no requests to fit (no header, or a header and no rows)."""

@@ -46,7 +46,7 @@ def command_lines(path: Path) -> list[list[str]]:
                     found.append(item)
                 continue
             text = item.replace("\\\n", " ")
-            for m in re.finditer(r"(?<![\w./-])inf2-pipeline[ \t]((?:[^\n;&|`)])*)", text):
+            for m in re.finditer(r"(?<![\w./-])inf2-pipeline[ \t]((?:[^\n;&|`)<>])*)", text):
                 argv = shlex.split(m.group(1))
                 if argv:
                     found.append(argv)
