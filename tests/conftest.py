@@ -28,3 +28,95 @@ def write_config(tmp_path: Path, tiny_checkpoint: Path):
         return path
 
     return write
+
+
+# --- A real S3 endpoint: moto's standalone server (tests/s3_server.py) ----------------------
+
+# Fake, credential-shaped values: tests grep every output for them.
+FAKE_AWS_ACCESS_KEY_ID = "AKIAFAKEFAKEFAKE7777"
+FAKE_AWS_SECRET_ACCESS_KEY = "fakeSecretKey/DoNotLeak+0123456789abcdefXYZ"
+FAKE_AWS_SESSION_TOKEN = "FakeSessionTokenDoNotLeak0123456789"
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """The endpoint URL of moto's server, started once per session on a free loopback port."""
+    from tests.s3_server import S3Server
+
+    with S3Server() as server:
+        yield server.url
+
+
+@pytest.fixture
+def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Point boto3 (in this process and in child processes) at the endpoint, with fake
+    credentials and no host AWS config. Returns the endpoint URL."""
+    for name in (
+        "AWS_PROFILE",
+        "AWS_ROLE_ARN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_ENDPOINT_URL_S3",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_AWS_ACCESS_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_AWS_SECRET_ACCESS_KEY)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", FAKE_AWS_SESSION_TOKEN)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    # Fixed paths (that do not exist): the same environment in every test lets the store
+    # reuse its boto3 session.
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/inf2-pipeline-tests/aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/inf2-pipeline-tests/creds")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return s3_endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_env: str) -> str:
+    """A fresh, empty bucket on the endpoint."""
+    import uuid
+
+    import boto3
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_store_url(s3_bucket: str) -> str:
+    return f"s3://{s3_bucket}/artifacts"
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The same test against a local store and against S3 (moto over HTTP)."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("s3_store_url")
+
+
+# --- The demo release compiled on cpu, once per session (compile stage) --------------------
+
+
+@pytest.fixture(scope="session")
+def compiled_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    """configs/tiny-llama.yaml (grid buckets/demo.yaml, tp 4: GQA-padded) compiled on cpu
+    into a fresh store, once per session. Yields (release config path, store dir); treat
+    both as read-only. Compiled bucket directories are under ``config.parent / "work"``."""
+    import yaml
+
+    from pipeline.compile.runner import compile_release
+    from pipeline.config import load_config
+
+    root = tmp_path_factory.mktemp("compiled")
+    source = REPO / "configs" / "tiny-llama.yaml"
+    data = yaml.safe_load(source.read_text())
+    data["model"]["checkpoint"] = str(tiny_checkpoint)
+    data["buckets"]["grid"] = str((source.parent / data["buckets"]["grid"]).resolve())
+    data["store"] = str(root / "store")
+    config = root / "tiny-llama.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    report = compile_release(load_config(config), jobs=2, workdir=root / "work")
+    assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
+    yield config, root / "store"

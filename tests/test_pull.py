@@ -1,6 +1,7 @@
-"""pull: atomic install, resume, verification, path safety, retries — on the local store.
+"""pull: atomic install, resume, verification, path safety, retries.
 
-The same scenarios run against a real S3 endpoint in tests/test_pull_s3.py.
+The ``store`` fixture runs each scenario against a local store and against a real S3
+endpoint (moto's server, through boto3 over HTTP).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ runner = CliRunner()
 
 
 @pytest.fixture
-def store(tmp_path):
-    return open_store(str(tmp_path / "store"))
+def store(store_url):
+    return open_store(store_url)
 
 
 def _installed_bytes(release_dir: Path, manifest) -> dict[str, bytes]:
@@ -87,8 +88,8 @@ def test_corrupted_blob_fails_and_leaves_previous_install(store, tmp_path):
     pull_release(store, "m", dest, version="v1")
     before = _installed_bytes(dest / "m" / "v1", None)
     victim = m2.buckets["b1_s32"].files[0]
-    blob = Path(store.url) / blob_key(victim.sha256)
-    blob.write_bytes(b"X" + blob.read_bytes()[1:])  # same size, different bytes
+    key = blob_key(victim.sha256)
+    store.put_bytes(key, b"X" + store.get_bytes(key)[1:])  # same size, different bytes
     with pytest.raises(IntegrityError, match="sha256 mismatch"):
         pull_release(store, "m", dest, version="v2")
     assert os.readlink(dest / "m" / "current") == "v1"

@@ -7,8 +7,18 @@ Keys are ``/``-separated paths relative to the store root (``blobs/sha256/<hex>`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed key: its size and last-modified time (seconds since the epoch, UTC)."""
+
+    key: str
+    size: int
+    mtime: float
 
 
 class Store(ABC):
@@ -42,16 +52,41 @@ class Store(ABC):
 
     @abstractmethod
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        """``length`` bytes from offset ``start`` (a ranged GET); NotFoundError when absent."""
+        """``length`` bytes from offset ``start`` (a ranged GET); NotFoundError when absent.
+        Fewer bytes (or none) come back where the object ends sooner."""
 
     @abstractmethod
     def size(self, key: str) -> int | None:
         """Size in bytes, or None when absent."""
 
     @abstractmethod
+    def list_info(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Keys under ``prefix`` (a folder path ending in ``/``) with size and mtime,
+        in no set order."""
+
     def list(self, prefix: str) -> Iterator[str]:
         """Keys under ``prefix`` (a folder path ending in ``/``), in no set order."""
+        return (info.key for info in self.list_info(prefix))
 
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove; absent keys are fine."""
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Remove several keys (backends may batch); absent keys are fine."""
+        for key in keys:
+            self.delete(key)
+
+    def local_path(self, key: str) -> Path | None:
+        """A local file holding the key's bytes, when the store is on this machine."""
+        return None
+
+    def cleanup_incomplete(self, older_than_s: float) -> int:
+        """Remove leftovers of interrupted uploads older than ``older_than_s`` (temporary
+        files, unfinished multipart uploads); returns how many. They are never visible
+        as keys, only storage."""
+        return 0
+
+    def principal(self) -> str | None:
+        """Who the store sees us as (an IAM ARN), when that is cheap to learn; else None."""
+        return None

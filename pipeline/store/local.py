@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline._files import atomic_create, atomic_writer
 from pipeline.errors import AlreadyExistsError, ConflictError, InputError, NotFoundError
-from pipeline.store.base import Store
+from pipeline.store.base import ObjectInfo, Store
+
+_SKIP = (".incomplete", ".lock")  # temporary files and CAS locks are never keys
+LOCK_TIMEOUT_S = 10.0
 
 
 class LocalStore(Store):
@@ -25,9 +30,12 @@ class LocalStore(Store):
 
     def _path(self, key: str) -> Path:
         path = (self.root / key).resolve()
-        if self.root not in path.parents:
-            raise InputError(key, "store key escapes the store root", "use a relative key")
+        if self.root not in path.parents or path.name.endswith(_SKIP):
+            raise InputError(key, "not a valid store key", "use a relative key")
         return path
+
+    def _missing(self, key: str) -> NotFoundError:
+        return NotFoundError(f"{self.url}/{key}", "not found in the store", None)
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -36,7 +44,7 @@ class LocalStore(Store):
         try:
             return self._path(key).read_bytes()
         except FileNotFoundError:
-            raise NotFoundError(f"{self.url}/{key}", "not found in the store", None) from None
+            raise self._missing(key) from None
 
     def get_versioned(self, key: str) -> tuple[bytes, str] | None:
         try:
@@ -57,39 +65,33 @@ class LocalStore(Store):
                 f.write(data)
             return
         try:
-            atomic_create(path, data)
+            atomic_create(path, data)  # os.link: refuses to replace, readers never see half
         except FileExistsError:
             raise AlreadyExistsError(f"{self.url}/{key}", "already exists", None) from None
 
     def _compare_and_swap(self, path: Path, key: str, data: bytes, expected: str) -> None:
-        # A lock file serialises writers; the version tag is the content digest.
-        lock = path.with_name(path.name + ".lock")
+        # flock (not an O_EXCL lock file) so a writer killed mid-swap never wedges the key:
+        # the kernel drops the lock with the process. The version tag is the content digest.
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            raise ConflictError(key, "another writer holds the lock", "retry") from None
-        try:
+        with open(path.with_name(path.name + ".lock"), "a") as lock:
+            _flock(lock, key)
             current = self.get_versioned(key)
-            tag = current[1] if current else ""
-            if tag != expected:
+            if (current[1] if current else "") != expected:
                 raise ConflictError(key, "changed since it was read", "re-read and retry")
             with atomic_writer(path) as f:
                 f.write(data)
-        finally:
-            os.close(fd)
-            os.unlink(lock)
 
     def put_file(self, key: str, path: Path) -> None:
         with atomic_writer(self._path(key)) as f, open(path, "rb") as src:
             shutil.copyfileobj(src, f, 1 << 20)
 
     def get_file(self, key: str, dest: Path) -> None:
-        src = self._path(key)
-        if not src.is_file():
-            raise NotFoundError(f"{self.url}/{key}", "not found in the store", None)
-        with atomic_writer(Path(dest)) as f, open(src, "rb") as s:
-            shutil.copyfileobj(s, f, 1 << 20)
+        try:
+            src = open(self._path(key), "rb")  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            raise self._missing(key) from None
+        with src, atomic_writer(Path(dest)) as f:
+            shutil.copyfileobj(src, f, 1 << 20)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         try:
@@ -97,23 +99,56 @@ class LocalStore(Store):
                 f.seek(start)
                 return f.read(length)
         except FileNotFoundError:
-            raise NotFoundError(f"{self.url}/{key}", "not found in the store", None) from None
+            raise self._missing(key) from None
 
     def size(self, key: str) -> int | None:
         with contextlib.suppress(FileNotFoundError):
             return self._path(key).stat().st_size
         return None
 
-    def list(self, prefix: str) -> Iterator[str]:
-        base = self._path(prefix) if prefix else self.root
-        if not base.is_dir():
-            return
+    def list_info(self, prefix: str) -> Iterator[ObjectInfo]:
+        base = (self.root / prefix).resolve() if prefix else self.root
+        if base != self.root and self.root not in base.parents:
+            raise InputError(prefix, "not a valid store prefix", "use a relative prefix")
         for dirpath, _, files in os.walk(base):
             for name in files:
-                if name.endswith((".incomplete", ".lock")):
+                if name.endswith(_SKIP):
                     continue
-                yield Path(dirpath, name).relative_to(self.root).as_posix()
+                path = Path(dirpath, name)
+                with contextlib.suppress(FileNotFoundError):  # deleted while we walked
+                    st = path.stat()
+                    yield ObjectInfo(
+                        path.relative_to(self.root).as_posix(), st.st_size, st.st_mtime
+                    )
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._path(key).unlink()
+
+    def local_path(self, key: str) -> Path | None:
+        path = self._path(key)
+        return path if path.is_file() else None
+
+    def cleanup_incomplete(self, older_than_s: float) -> int:
+        """Remove temporary files that a killed writer left behind (``*.incomplete``)."""
+        cutoff, removed = time.time() - older_than_s, 0
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                path = Path(dirpath, name)
+                with contextlib.suppress(FileNotFoundError):
+                    if name.endswith(".incomplete") and path.stat().st_mtime < cutoff:
+                        path.unlink()
+                        removed += 1
+        return removed
+
+
+def _flock(f, key: str) -> None:
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise ConflictError(key, "another writer holds the lock", "retry") from None
+            time.sleep(0.01)

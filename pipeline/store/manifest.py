@@ -6,10 +6,14 @@ sha256 and size, and every fact a loader needs to decide whether it can run the 
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Iterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.errors import RuntimeMismatchError, StoreError
 from pipeline.store.blobs import FileRef
 
 MANIFEST_SCHEMA = 1
@@ -43,3 +47,44 @@ class Manifest(BaseModel):
     config: dict[str, Any]  # the source config as written
     files: list[FileRef] = Field(default_factory=list)  # release-wide files (model config.json)
     buckets: dict[str, BucketEntry]  # keyed by Bucket.name
+
+    def iter_files(self) -> Iterator[tuple[str, FileRef]]:
+        """Every file of the release as (location, ref): '' for release-wide files, else the
+        bucket name. Paths are relative to the release directory's top or bucket directory."""
+        for ref in self.files:
+            yield "", ref
+        for name, bucket in self.buckets.items():
+            for ref in bucket.files:
+                yield name, ref
+
+    @property
+    def total_size(self) -> int:
+        return sum(ref.size for _, ref in self.iter_files())
+
+    def content_digest(self) -> str:
+        """sha256 over everything but the version and the creation time: two releases with
+        the same digest have the same bytes and the same facts."""
+        body = self.model_dump(mode="json", exclude={"version", "created"})
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(indent=2).encode()
+
+
+def parse_manifest(data: bytes, what: str) -> Manifest:
+    """Validate stored manifest bytes; a newer schema is a clear error, not a crash."""
+    try:
+        raw = json.loads(data)
+    except ValueError as e:
+        raise StoreError(what, f"unreadable manifest: {e}", None) from None
+    schema = raw.get("schema_version") if isinstance(raw, dict) else None
+    if isinstance(schema, int) and schema > MANIFEST_SCHEMA:
+        raise RuntimeMismatchError(
+            what,
+            f"manifest schema {schema} is newer than this inf2-pipeline reads ({MANIFEST_SCHEMA})",
+            "upgrade inf2-pipeline",
+        )
+    try:
+        return Manifest.model_validate(raw)
+    except ValidationError as e:
+        raise StoreError(what, f"invalid manifest: {e.errors()[0]['msg']}", None) from None

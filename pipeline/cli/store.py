@@ -1,0 +1,296 @@
+"""The artifact store commands: publish, promote, list, show, diff, gc.
+
+``--store`` defaults to the config's store for ``publish`` and to ``artifacts/`` (relative
+to the working directory) for the others.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.cli._common import JsonOpt, StoreOpt, human_bytes, print_json
+from pipeline.config import DEFAULT_STORE
+
+ModelArg = Annotated[str, typer.Argument(help="Model name (the config's model.name).")]
+ChannelOpt = Annotated[
+    str | None, typer.Option("--channel", help="A channel name, e.g. prod or staging.")
+]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("publish")(publish)
+    app.command("promote")(promote)
+    app.command("list")(list_)
+    app.command("show")(show)
+    app.command("diff")(diff)
+    app.command("gc")(gc)
+
+
+def _open(url: str | None):
+    from pipeline.store import open_store
+
+    return open_store(url or DEFAULT_STORE)
+
+
+def publish(
+    config: Annotated[Path, typer.Argument(help="Release config (configs/<model>.yaml).")],
+    version: Annotated[
+        str | None,
+        typer.Option("--version", help="Release version (default: UTC date + content digest)."),
+    ] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option("--backend", help="neuron, cuda or cpu (default: the config's target)."),
+    ] = None,
+    jobs: Annotated[int, typer.Option("--jobs", min=1, help="Concurrent blob uploads.")] = 8,
+    store: StoreOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Publish compiled buckets as an immutable release: missing blobs, then the manifest."""
+    from pipeline.config import load_config
+    from pipeline.store.publish import publish_release
+
+    release = load_config(config)
+    dest = _open(store) if store else None
+    with _progress("uploading", quiet=json) as advance:
+        r = publish_release(
+            release, store=dest, version=version, backend=backend, jobs=jobs, progress=advance
+        )
+    if json:
+        print_json(r.to_dict())
+        return
+    what = "published" if r.created else "already published (identical content)"
+    typer.echo(
+        f"{what}: {r.model} {r.version} in {r.store}: {r.files} files, "
+        f"{human_bytes(r.total_bytes)}; uploaded {r.uploaded_files} files "
+        f"({human_bytes(r.uploaded_bytes)}) in {r.seconds:.1f} s"
+    )
+
+
+def promote(
+    model: ModelArg,
+    version: Annotated[str, typer.Argument(help="The release to point the channel at.")],
+    channel: Annotated[str, typer.Option("--channel", help="The channel to move.")],
+    store: StoreOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Point a channel at a release (compare-and-swap; records who, when and the previous)."""
+    from pipeline.store.channels import promote as promote_channel
+
+    ch = promote_channel(_open(store), model, version, channel)
+    if json:
+        print_json(ch.model_dump(mode="json"))
+        return
+    typer.echo(f"{model} {channel}: {ch.previous or '(new)'} → {ch.version} (by {ch.by})")
+
+
+def list_(
+    model: Annotated[str | None, typer.Argument(help="List this model's releases.")] = None,
+    store: StoreOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """List models, or one model's releases (newest first) with their channels."""
+    from pipeline.store.releases import channels_by_version, list_models, list_releases
+
+    s = _open(store)
+    if model is None:
+        rows = []
+        for name in list_models(s):
+            releases = list_releases(s, name)
+            channels = channels_by_version(s, name)
+            rows.append(
+                {
+                    "model": name,
+                    "releases": len(releases),
+                    "latest": releases[0].version if releases else None,
+                    "channels": {c: v for v, cs in channels.items() for c in cs},
+                }
+            )
+        if json:
+            print_json(rows)
+            return
+        if not rows:
+            typer.echo(f"no releases in {s.url}")
+        for r in rows:
+            chans = ", ".join(f"{c}→{v}" for c, v in sorted(r["channels"].items()))
+            typer.echo(
+                f"{r['model']}: {r['releases']} releases, latest {r['latest']}"
+                + (f"; {chans}" if chans else "")
+            )
+        return
+    releases = list_releases(s, model)
+    channels = channels_by_version(s, model)
+    rows = [
+        {
+            "version": m.version,
+            "created": m.created,
+            "backend": m.backend,
+            "buckets": len(m.buckets),
+            "bytes": m.total_size,
+            "channels": channels.get(m.version, []),
+        }
+        for m in releases
+    ]
+    if json:
+        print_json(rows)
+        return
+    if not rows:
+        typer.echo(f"no releases of {model} in {s.url}")
+        return
+    width = max(len("version"), *(len(r["version"]) for r in rows))
+    typer.echo(
+        f"{'version':<{width}}  {'created (UTC)':<16}  backend  buckets  {'size':>10}  channels"
+    )
+    for r in rows:
+        line = (
+            f"{r['version']:<{width}}  {r['created'][:16].replace('T', ' '):<16}  "
+            f"{r['backend']:<7}  {r['buckets']:>7}  {human_bytes(r['bytes']):>10}  "
+        )
+        typer.echo((line + ", ".join(r["channels"])).rstrip())
+
+
+def show(
+    model: ModelArg,
+    version: Annotated[str | None, typer.Argument(help="The release version.")] = None,
+    channel: ChannelOpt = None,
+    store: StoreOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Show a release's manifest: facts, buckets and files."""
+    from pipeline.errors import InputError
+    from pipeline.store.releases import channels_by_version, resolve_release
+
+    if (version is None) == (channel is None):
+        raise InputError(
+            "show",
+            "give exactly one of VERSION or --channel",
+            f"e.g. 'show {model} --channel prod'",
+        )
+    s = _open(store)
+    m = resolve_release(s, model, version, channel)
+    channels = channels_by_version(s, model).get(m.version, [])
+    if json:
+        print_json(
+            {
+                "manifest": m.model_dump(mode="json"),
+                "channels": channels,
+                "content_digest": m.content_digest(),
+                "total_bytes": m.total_size,
+            }
+        )
+        return
+    echo = typer.echo
+    echo(f"{m.model} {m.version} ({', '.join(channels) or 'no channel'})")
+    echo(
+        f"created {m.created}; backend {m.backend}; dtype {m.dtype}; "
+        f"tp {m.target.get('tp_degree')} on {m.target.get('instance_type')}"
+    )
+    echo("versions: " + ", ".join(f"{k} {v}" for k, v in m.versions.items()))
+    echo(f"flags: {' '.join(m.flags) or '(none)'}; auto_cast_type {m.auto_cast_type}")
+    echo(
+        f"weights {m.weights_digest[:16]}; content {m.content_digest()[:16]}; "
+        f"{human_bytes(m.total_size)}"
+    )
+    echo(f"{'bucket':<14} {'batch':>5} {'seq':>6} {'files':>5} {'size':>11}")
+    for name, b in m.buckets.items():
+        size = human_bytes(sum(f.size for f in b.files))
+        echo(f"{name:<14} {b.batch:>5} {b.seq:>6} {len(b.files):>5} {size:>11}")
+    if m.files:
+        echo("release files: " + ", ".join(f.path for f in m.files))
+
+
+def diff(
+    model: ModelArg,
+    a: Annotated[str, typer.Argument(help="The older release.")],
+    b: Annotated[str, typer.Argument(help="The newer release.")],
+    store: StoreOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Compare two releases: buckets and files added, removed, changed; changed facts."""
+    from pipeline.store.diff import diff_releases
+    from pipeline.store.releases import read_release
+
+    s = _open(store)
+    d = diff_releases(read_release(s, model, a), read_release(s, model, b))
+    if json:
+        print_json(d.to_dict())
+        return
+    typer.echo(f"{model} {a} → {b}: {human_bytes(d.bytes_a)} → {human_bytes(d.bytes_b)}")
+    if d.identical:
+        typer.echo("identical content")
+        return
+    for key, change in d.facts.items():
+        typer.echo(f"  {key}: {change['a']!r} → {change['b']!r}")
+    for label, names in (("added", d.buckets_added), ("removed", d.buckets_removed)):
+        if names:
+            typer.echo(f"  buckets {label}: {', '.join(names)}")
+    for name, f in d.buckets_changed.items():
+        typer.echo(f"  bucket {name}: " + _files_line(f))
+    if d.files:
+        typer.echo("  release files: " + _files_line(d.files))
+    typer.echo(f"  {d.buckets_unchanged} buckets unchanged")
+
+
+def _files_line(f) -> str:
+    parts = [
+        f"{label} {', '.join(paths)}"
+        for label, paths in (("changed", f.changed), ("added", f.added), ("removed", f.removed))
+        if paths
+    ]
+    return "; ".join(parts)
+
+
+def gc(
+    model: ModelArg,
+    keep: Annotated[int, typer.Option("--keep", min=0, help="Keep the newest N releases.")],
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Report what would go; delete nothing.")
+    ] = False,
+    grace_hours: Annotated[
+        float,
+        typer.Option(
+            "--grace-hours", min=0, help="Spare unreferenced blobs and cache entries this young."
+        ),
+    ] = 24.0,
+    store: StoreOpt = None,
+    json: JsonOpt = False,
+) -> None:
+    """Delete releases beyond the newest N that no channel points at, then unused blobs."""
+    from pipeline.store.gc import gc as run_gc
+
+    r = run_gc(_open(store), model, keep, grace_s=grace_hours * 3600, dry_run=dry_run)
+    if json:
+        print_json(r.to_dict())
+        return
+    verb = "would delete" if dry_run else "deleted"
+    typer.echo(f"{model}: keep {', '.join(r.kept) or 'none'}")
+    typer.echo(
+        f"{verb} {len(r.deleted_releases)} releases"
+        f"{' (' + ', '.join(r.deleted_releases) + ')' if r.deleted_releases else ''}, "
+        f"{len(r.deleted_cache_entries)} cache entries, {len(r.deleted_blobs)} blobs "
+        f"({human_bytes(r.freed_bytes)})"
+    )
+    if r.young_orphans:
+        typer.echo(f"spared {r.young_orphans} unreferenced blobs younger than {grace_hours:g} h")
+
+
+@contextmanager
+def _progress(label: str, *, quiet: bool) -> Iterator[Callable[[int], None] | None]:
+    """A byte counter on a terminal; nothing in CI, when piped, or with --json."""
+    if quiet or os.environ.get("CI") or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
+
+    with Progress(
+        *Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn(), transient=True
+    ) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda n: bar.advance(task, n)

@@ -1,0 +1,140 @@
+"""Channels, ``models/<m>/channels/<c>.json``: small movable pointers to a release.
+
+``promote`` moves a pointer with compare-and-swap (``If-Match`` on the ETag in S3, a digest
+check under a lock locally), refuses a version that does not exist, and records who moved it,
+when, and from which version, with a short history for rollbacks.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import random
+import socket
+import time
+from datetime import datetime, timezone
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pipeline.errors import AlreadyExistsError, ConflictError, NotFoundError, StoreError
+from pipeline.store.base import Store
+from pipeline.store.layout import channel_key, channels_prefix, release_key
+
+CHANNEL_SCHEMA = 1
+HISTORY = 20  # moves kept in the pointer file
+CAS_ATTEMPTS = 10
+
+
+class Move(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    version: str
+    previous: str | None = None
+    by: str
+    at: str  # ISO 8601, UTC
+    principal: str | None = None  # the AWS identity, when the store is S3
+
+
+class Channel(BaseModel):
+    """The pointer file. Readers need only ``version`` (pull reads nothing else)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    schema_version: int = CHANNEL_SCHEMA
+    model: str
+    channel: str
+    version: str
+    previous: str | None = None
+    by: str
+    at: str
+    principal: str | None = None
+    history: list[Move] = []  # newest first, the current move included
+
+
+def read_channel(store: Store, model: str, channel: str) -> Channel | None:
+    got = store.get_versioned(channel_key(model, channel))
+    return None if got is None else _parse(store, model, channel, got[0])
+
+
+def _parse(store: Store, model: str, channel: str, data: bytes) -> Channel:
+    try:
+        raw = json.loads(data)
+        # Older or hand-written pointers hold only {"version": ...}.
+        raw.setdefault("model", model)
+        raw.setdefault("channel", channel)
+        raw.setdefault("by", "unknown")
+        raw.setdefault("at", "")
+        return Channel.model_validate(raw)
+    except (ValueError, AttributeError, ValidationError) as e:
+        raise StoreError(
+            f"{store.url}/{channel_key(model, channel)}",
+            f"unreadable channel pointer: {e}",
+            f"re-promote: 'inf2-pipeline promote {model} VERSION --channel {channel}'",
+        ) from None
+
+
+def list_channels(store: Store, model: str) -> dict[str, Channel]:
+    prefix = channels_prefix(model)
+    out = {}
+    for key in store.list(prefix):
+        name = key[len(prefix) :]
+        if name.endswith(".json") and "/" not in name:
+            ch = read_channel(store, model, name[: -len(".json")])
+            if ch is not None:
+                out[ch.channel] = ch
+    return out
+
+
+def whoami() -> str:
+    """user@host from the environment (never a secret)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def promote(
+    store: Store, model: str, version: str, channel: str, *, by: str | None = None
+) -> Channel:
+    """Point ``channel`` at an existing release; compare-and-swap, retried on a lost race."""
+    if not store.exists(release_key(model, version)):
+        raise NotFoundError(
+            f"release {model} {version}",
+            f"not found in {store.url}",
+            f"publish it first, or see 'inf2-pipeline list {model}'",
+        )
+    by = by or whoami()
+    principal = store.principal()
+    key = channel_key(model, channel)
+    for attempt in range(CAS_ATTEMPTS):
+        got = store.get_versioned(key)
+        current = None if got is None else _parse(store, model, channel, got[0])
+        move = Move(
+            version=version,
+            previous=current.version if current else None,
+            by=by,
+            at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            principal=principal,
+        )
+        new = Channel(
+            model=model,
+            channel=channel,
+            **move.model_dump(),
+            history=[move, *(current.history if current else [])][:HISTORY],
+        )
+        data = new.model_dump_json(indent=2).encode()
+        try:
+            if got is None:
+                store.put_bytes(key, data, if_absent=True)
+            else:
+                store.put_bytes(key, data, if_match=got[1])
+            return new
+        except (ConflictError, AlreadyExistsError):
+            # Someone else moved it: re-read and retry, after a jittered pause.
+            time.sleep(random.uniform(0.01, 0.05) * (attempt + 1))
+    raise ConflictError(
+        f"channel '{channel}' of model '{model}'",
+        f"moved by others {CAS_ATTEMPTS} times while we tried",
+        "retry",
+    )

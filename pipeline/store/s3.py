@@ -1,0 +1,359 @@
+"""A store in S3 (``s3://BUCKET/PREFIX``) or an S3-compatible server, through boto3.
+
+Credentials come from boto3's standard chain (environment, profile, IRSA web identity on
+EKS); the endpoint from ``AWS_ENDPOINT_URL`` (read by boto3 itself) unless one is passed.
+Path-style addressing, which most S3-compatible servers need, is chosen by
+``?addressing_style=path`` on the URL or by ``s3.addressing_style`` in the AWS config file.
+
+Two functions own the boundary to boto3: ``make_client`` creates every client (timeouts,
+standard retries) and ``translate_error`` turns every boto3 failure into a pipeline error,
+with credentials scrubbed from the message.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import boto3
+from boto3.exceptions import S3UploadFailedError
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionError,
+    HTTPClientError,
+    NoCredentialsError,
+    PartialCredentialsError,
+)
+
+from pipeline._files import atomic_writer
+from pipeline.errors import (
+    AlreadyExistsError,
+    ConflictError,
+    InputError,
+    NotFoundError,
+    PipelineError,
+    StoreError,
+)
+from pipeline.store._redact import scrub
+from pipeline.store.base import ObjectInfo, Store
+
+MiB = 1 << 20
+# Parts of 64 MiB: few enough requests for multi-GB graphs, small enough to run in parallel.
+DEFAULT_TRANSFER = TransferConfig(
+    multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB, max_concurrency=8
+)
+ADDRESSING_STYLES = ("auto", "path", "virtual")
+
+
+def make_client(
+    service: str = "s3",
+    *,
+    endpoint_url: str | None = None,
+    addressing_style: str | None = None,
+    connect_timeout: float = 10.0,
+    read_timeout: float = 60.0,
+    max_attempts: int = 5,
+    max_pool_connections: int = 64,
+) -> Any:
+    """The one place boto3 clients are made. ``endpoint_url=None`` lets boto3 read
+    ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` and the config file itself."""
+    config = Config(
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        retries={"mode": "standard", "max_attempts": max_attempts},
+        max_pool_connections=max_pool_connections,  # concurrent blobs x parts share one pool
+        s3={"addressing_style": addressing_style} if addressing_style else None,
+    )
+    with _SESSION_LOCK:  # sessions are not thread-safe (clients are)
+        return _session().client(service, endpoint_url=endpoint_url, config=config)
+
+
+_SESSIONS: dict[tuple, boto3.session.Session] = {}
+_SESSION_LOCK = threading.Lock()
+
+
+def _session() -> boto3.session.Session:
+    # A fresh session reloads the service models (~150 ms a client), so keep one per AWS
+    # environment: the same behaviour as a new session whenever AWS_* variables change.
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    if env not in _SESSIONS:
+        _SESSIONS[env] = boto3.session.Session()
+    return _SESSIONS[env]
+
+
+ClientFactory = Callable[..., Any]
+
+
+def translate_error(e: BaseException, what: str, *, condition: str | None = None) -> PipelineError:
+    """Every boto3 failure becomes a pipeline error here, and only here.
+
+    ``condition``: "if_absent" or "if_match" when the request was a conditional write, so
+    that 412 Precondition Failed means AlreadyExists or Conflict respectively.
+    """
+    if isinstance(e, S3UploadFailedError) and isinstance(e.__context__, ClientError):
+        e = e.__context__  # boto3 wraps upload errors in a string; the real one is the context
+    if isinstance(e, ClientError):
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        message = scrub(str(err.get("Message") or code or "error"))
+        if code == "NoSuchBucket":
+            bucket = what.split("/")[2] if what.startswith("s3://") else what
+            return NotFoundError(f"s3://{bucket}", "bucket does not exist", "check --store")
+        if code in ("404", "NoSuchKey", "NotFound") or status == 404:
+            return NotFoundError(what, "not found in the store", None)
+        if code == "PreconditionFailed" or status == 412:
+            if condition == "if_absent":
+                return AlreadyExistsError(what, "already exists", None)
+            return ConflictError(what, "changed since it was read", "re-read and retry")
+        if code == "ConditionalRequestConflict" or status == 409:
+            return ConflictError(what, "a concurrent conditional write won", "retry")
+        if status == 403 or code in (
+            "AccessDenied",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "ExpiredToken",
+            "InvalidToken",
+        ):
+            return StoreError(
+                what,
+                f"access denied ({code}: {message})",
+                "check the AWS credentials (AWS_PROFILE, the IRSA role) and the bucket policy",
+            )
+        return StoreError(what, f"S3 error {code or status}: {message}", "retry later")
+    if isinstance(e, NoCredentialsError | PartialCredentialsError):
+        return StoreError(
+            what,
+            "no usable AWS credentials",
+            "set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use an IRSA role",
+        )
+    if isinstance(e, ConnectionError | HTTPClientError):
+        return StoreError(
+            what, f"cannot reach S3: {scrub(str(e))}", "check the network and AWS_ENDPOINT_URL"
+        )
+    return StoreError(what, scrub(str(e)) or type(e).__name__, None)
+
+
+def parse_s3_url(url: str) -> tuple[str, str, dict[str, str]]:
+    """``s3://bucket/some/prefix?addressing_style=path`` -> (bucket, "some/prefix/", options)."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc:
+        raise InputError(url, "not an S3 URL", "use s3://BUCKET/PREFIX")
+    options = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(options) - {"addressing_style"}
+    if unknown:
+        raise InputError(
+            url, f"unknown option {sorted(unknown)[0]!r}", "use ?addressing_style=path"
+        )
+    style = options.get("addressing_style")
+    if style is not None and style not in ADDRESSING_STYLES:
+        raise InputError(url, f"addressing_style '{style}'", f"use one of {ADDRESSING_STYLES}")
+    prefix = parts.path.strip("/")
+    return parts.netloc, f"{prefix}/" if prefix else "", options
+
+
+class S3Store(Store):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: Any = None,
+        client_factory: ClientFactory = make_client,
+        endpoint_url: str | None = None,
+        addressing_style: str | None = None,
+        transfer_config: TransferConfig = DEFAULT_TRANSFER,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self._factory = client_factory
+        self._client_kw = {"endpoint_url": endpoint_url, "addressing_style": addressing_style}
+        self.client = client or client_factory("s3", **self._client_kw)
+        self.transfer = transfer_config
+
+    @classmethod
+    def from_url(cls, url: str, **kw: Any) -> S3Store:
+        bucket, prefix, options = parse_s3_url(url)
+        kw.setdefault("addressing_style", options.get("addressing_style"))
+        return cls(bucket, prefix, **kw)
+
+    def _key(self, key: str) -> str:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise InputError(key, "not a valid store key", "use a relative key")
+        return self.prefix + key
+
+    def _what(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self.prefix}{key}"
+
+    def _call(self, key: str, fn: Callable[[], Any], condition: str | None = None) -> Any:
+        try:
+            return fn()
+        except (ClientError, BotoCoreError, S3UploadFailedError) as e:
+            raise translate_error(e, self._what(key), condition=condition) from None
+
+    def exists(self, key: str) -> bool:
+        return self.size(key) is not None
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._get(key)[0]
+
+    def _get(self, key: str, **extra: Any) -> tuple[bytes, str]:
+        def get() -> tuple[bytes, str]:
+            r = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **extra)
+            return r["Body"].read(), r["ETag"]
+
+        return self._call(key, get)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            return self._get(key)
+        except NotFoundError:
+            return None
+
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: str | None = None
+    ) -> None:
+        extra: dict[str, str] = {}
+        condition = None
+        if if_match is not None:
+            extra, condition = {"IfMatch": if_match}, "if_match"
+        elif if_absent:
+            extra, condition = {"IfNoneMatch": "*"}, "if_absent"
+        try:
+            self._call(
+                key,
+                lambda: self.client.put_object(
+                    Bucket=self.bucket, Key=self._key(key), Body=data, **extra
+                ),
+                condition,
+            )
+        except NotFoundError:
+            if condition != "if_match":
+                raise
+            # If-Match on an absent key answers 404: for compare-and-swap that is a lost race.
+            raise ConflictError(self._what(key), "was deleted since it was read", "retry") from None
+
+    def put_file(self, key: str, path: Path) -> None:
+        # Managed transfer: multipart and concurrent above the threshold; the object becomes
+        # visible only when the upload completes, so readers never see part of it.
+        self._call(
+            key,
+            lambda: self.client.upload_file(
+                str(path), self.bucket, self._key(key), Config=self.transfer
+            ),
+        )
+
+    def get_file(self, key: str, dest: Path) -> None:
+        with atomic_writer(Path(dest)) as f:
+            self._call(
+                key,
+                lambda: self.client.download_fileobj(
+                    self.bucket, self._key(key), f, Config=self.transfer
+                ),
+            )
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        try:
+            r = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
+            )
+            return r["Body"].read()
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") == "InvalidRange":
+                return b""  # start at or past the end: nothing there, as with a local file
+            raise translate_error(e, self._what(key)) from None
+        except BotoCoreError as e:
+            raise translate_error(e, self._what(key)) from None
+
+    def size(self, key: str) -> int | None:
+        try:
+            r = self._call(
+                key, lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            )
+        except NotFoundError:
+            return None
+        return int(r["ContentLength"])
+
+    def list_info(self, prefix: str) -> Iterator[ObjectInfo]:
+        full = self._key(prefix) if prefix else self.prefix
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=full
+        )
+        it = iter(pages)
+        while True:
+            page = self._call(prefix, lambda: next(it, None))
+            if page is None:
+                return
+            for obj in page.get("Contents", []):
+                yield ObjectInfo(
+                    obj["Key"][len(self.prefix) :],
+                    int(obj["Size"]),
+                    obj["LastModified"].timestamp(),
+                )
+
+    def delete(self, key: str) -> None:
+        self._call(key, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(key)))
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
+            r = self._call(
+                keys[i],
+                lambda b=batch: self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": b, "Quiet": True}
+                ),
+            )
+            if r.get("Errors"):
+                first = r["Errors"][0]
+                raise StoreError(
+                    self._what(first["Key"][len(self.prefix) :]),
+                    f"delete failed: {first.get('Code')}: {scrub(first.get('Message', ''))}",
+                    "retry",
+                )
+
+    def cleanup_incomplete(self, older_than_s: float) -> int:
+        """Abort multipart uploads that a killed publisher left unfinished."""
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=older_than_s)
+        pages = self.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=self.bucket, Prefix=self.prefix
+        )
+        stale = [
+            u
+            for page in self._call("", lambda: list(pages))
+            for u in page.get("Uploads", [])
+            if u["Initiated"] < cutoff
+        ]
+        for u in stale:
+            self._call(
+                u["Key"],
+                lambda u=u: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"]
+                ),
+            )
+        return len(stale)
+
+    def principal(self) -> str | None:
+        """The caller's IAM ARN from STS (one short request), or None if STS does not answer."""
+        try:
+            sts = self._factory(
+                "sts",
+                connect_timeout=2,
+                read_timeout=3,
+                max_attempts=1,
+                endpoint_url=self._client_kw["endpoint_url"],
+            )
+            return str(sts.get_caller_identity()["Arn"])
+        except Exception:  # best effort: who promoted is informative, never required
+            return None
