@@ -1,0 +1,155 @@
+"""The runtime: nearest-bucket selection (pure), and generate() on the compiled demo release,
+published, pulled and loaded, equal to Hugging Face's greedy generate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.buckets import Bucket, select_bucket
+from pipeline.errors import InputError, IntegrityError, RuntimeMismatchError
+
+GRID = [Bucket(b, s) for b in (1, 4, 8) for s in (128, 512, 2048)]
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "expected"),
+    [
+        (1, 1, Bucket(1, 128)),
+        (1, 128, Bucket(1, 128)),
+        (1, 129, Bucket(1, 512)),
+        (2, 100, Bucket(4, 128)),
+        (4, 600, Bucket(4, 2048)),
+        (8, 2048, Bucket(8, 2048)),
+        (9, 10, None),
+        (1, 2049, None),
+    ],
+)
+def test_select_bucket_fewest_padded_tokens(batch, seq, expected):
+    assert select_bucket(GRID, batch, seq) == expected
+
+
+def test_select_prefers_fewer_padded_tokens_over_smaller_batch():
+    # 2 × 300: b4_s512 computes 2048 tokens, b2_s1024 would compute 2048 too → smaller seq wins
+    grid = [Bucket(4, 512), Bucket(2, 1024), Bucket(8, 320)]
+    assert select_bucket(grid, 2, 300) == Bucket(4, 512)
+    assert select_bucket(grid, 3, 310) == Bucket(4, 512)
+    assert select_bucket(grid, 5, 310) == Bucket(8, 320)
+
+
+@pytest.fixture(scope="module")
+def installed(compiled_store, tmp_path_factory):
+    """The demo release: compiled (session fixture) → published → pulled."""
+    from pipeline.config import load_config
+    from pipeline.pull import pull_release
+    from pipeline.store import open_store
+    from pipeline.store.publish import publish_release
+
+    config, store_dir = compiled_store
+    release = load_config(config)
+    version = publish_release(release, version="v-runtime").version
+    dest = tmp_path_factory.mktemp("models")
+    pull_release(open_store(str(store_dir)), release.name, dest, version=version)
+    return release, dest / release.name
+
+
+def _hf_greedy(checkpoint: Path, prompt: list[int], new: int) -> list[int]:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_generate_matches_hugging_face_greedy(installed):
+    from pipeline.runtime import BucketedModel
+
+    release, model_dir = installed
+    model = BucketedModel.load(model_dir)
+    prompts = [[1, 17, 42, 99, 5, 7, 300, 12], [3, 4], list(range(10, 40))]
+    got = model.generate(prompts, max_new_tokens=12, eos_token_id=None)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == _hf_greedy(release.checkpoint, prompt, 12)
+    # three prompts exceed the largest batch (2): split into two runs, same answers
+    assert got == model.generate(prompts[:2], 12, eos_token_id=None) + model.generate(
+        prompts[2:], 12, eos_token_id=None
+    )
+
+
+def test_select_and_generate_move_to_larger_buckets_or_fail_clearly(installed):
+    from pipeline.runtime import BucketedModel
+
+    _, model_dir = installed
+    model = BucketedModel.load(model_dir)
+    assert model.select(1, 20).name == "b1_s32"
+    assert model.select(2, 33).name == "b2_s64"
+    # 30-token prompt + 10 new tokens needs 39 cache slots: moves from s32 to s64
+    assert len(model.generate([list(range(1, 31))], 10, eos_token_id=None)[0]) == 10
+    with pytest.raises(InputError, match="longer than the largest bucket"):
+        model.generate([list(range(1, 61))], 10)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        model.generate([[1, 10**6]], 2)
+    with pytest.raises(InputError, match="is empty"):
+        model.generate([[]], 2)
+
+
+def test_lazy_load_and_warmup(installed):
+    from pipeline.runtime import BucketedModel
+
+    _, model_dir = installed
+    model = BucketedModel.load(model_dir)
+    assert not model._graphs
+    model.generate([[1, 2, 3]], 2)
+    assert list(model._graphs) == [Bucket(1, 32)]
+    model.warmup()
+    assert len(model._graphs) == 4 and len(model._weights) == 1  # one shared weight copy
+
+
+def test_load_refuses_what_it_cannot_run(installed, tmp_path):
+    import shutil
+
+    from pipeline.runtime import BucketedModel
+
+    _, model_dir = installed
+    copy = tmp_path / "r"
+    shutil.copytree(model_dir / "current", copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for change, match in [
+        ({"backend": "neuron"}, "torch-neuronx"),
+        ({"versions": {**manifest["versions"], "torch": "1.13.1"}}, "compiled with torch 1.13.1"),
+    ]:
+        (copy / "manifest.json").write_text(json.dumps({**manifest, **change}))
+        with pytest.raises(RuntimeMismatchError, match=match):
+            BucketedModel.load(copy)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeMismatchError, match="not 'cuda'"):
+        BucketedModel.load(copy, backend="cuda")
+    next(copy.glob("buckets/*/decode.pt2")).write_bytes(b"truncated")
+    with pytest.raises(IntegrityError, match="wrong size"):
+        BucketedModel.load(copy)
+    with pytest.raises(InputError, match="no release here"):
+        BucketedModel.load(tmp_path)
+
+
+def test_run_command(installed):
+    from pipeline.cli import app
+
+    _, model_dir = installed
+    r = CliRunner().invoke(
+        app, ["run", str(model_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["bucket"] == "b1_s32" and len(data["new_tokens"]) <= 4
+    r = CliRunner().invoke(app, ["run", str(model_dir), "--prompt-ids", "1,x"])
+    assert r.exit_code == 2 and "not a list of integers" in r.stderr
