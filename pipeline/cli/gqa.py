@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -53,3 +54,27 @@ def plan(
     typer.echo(f"wasted attention compute: {p.wasted_attention_fraction:.1%}")
     if p.kv_cache_bytes_per_token is not None:
         typer.echo(f"KV cache per token (all ranks): {human_bytes(p.kv_cache_bytes_per_token)}")
+
+
+@app.command("pad")
+def pad(
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory.")],
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")],
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the padded checkpoint.")],
+    strategy: Annotated[
+        str, typer.Option(help="auto, replicate_to_tp_degree or convert_to_mha.")
+    ] = "auto",
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing OUT_DIR.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Write a copy of a checkpoint with heads padded so each rank holds whole heads."""
+    from pipeline.gqa_pad import pad_checkpoint
+
+    p = pad_checkpoint(model_dir, out, tp, strategy, overwrite=overwrite)
+    if json:
+        print_json({"out": str(out), "plan": p.to_dict()})
+        return
+    typer.echo(
+        f"wrote {out}: heads {p.q_heads}/{p.kv_heads} → {p.padded_q_heads}/{p.padded_kv_heads} "
+        f"for tp {p.tp} ({p.strategy}, wasted attention compute {p.wasted_attention_fraction:.1%})"
+    )

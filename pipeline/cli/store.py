@@ -50,6 +50,12 @@ def publish(
         typer.Option("--backend", help="neuron, cuda or cpu (default: the config's target)."),
     ] = None,
     jobs: Annotated[int, typer.Option("--jobs", min=1, help="Concurrent blob uploads.")] = 8,
+    shard_count: Annotated[
+        int | None,
+        typer.Option(
+            "--shard-count", min=1, help="Shards that compiled it: names a missing bucket's shard."
+        ),
+    ] = None,
     store: StoreOpt = None,
     json: JsonOpt = False,
 ) -> None:
@@ -61,7 +67,13 @@ def publish(
     dest = _open(store) if store else None
     with _progress("uploading", quiet=json) as advance:
         r = publish_release(
-            release, store=dest, version=version, backend=backend, jobs=jobs, progress=advance
+            release,
+            store=dest,
+            version=version,
+            backend=backend,
+            jobs=jobs,
+            progress=advance,
+            shard_count=shard_count,
         )
     if json:
         print_json(r.to_dict())

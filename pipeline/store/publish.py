@@ -103,12 +103,17 @@ def default_version(manifest: Manifest, now: datetime | None = None) -> str:
 
 
 def find_entries(
-    release: Release, cache: Store, key_fn: KeyFn, backend: str | None = None
+    release: Release,
+    cache: Store,
+    key_fn: KeyFn,
+    backend: str | None = None,
+    shard_count: int | None = None,
 ) -> tuple[str, dict[str, CacheEntry]]:
     """(backend, bucket name -> cache entry) for every bucket of the release.
 
     ``backend`` None means the config's; for "auto", the first of neuron, cuda, cpu that has
     an entry for every bucket (publishing may run on another machine than compiling).
+    ``shard_count``: how many shards compiled it, so a missing bucket names its shard.
     """
     backend = backend or release.config.target.backend
     candidates = BACKEND_PREFERENCE if backend == "auto" else (backend,)
@@ -131,12 +136,31 @@ def find_entries(
             "publish with --backend NAME where that backend's toolchain is installed",
         )
     name, _, missing = best
+    owners = _shard_owners(release, shard_count)
+    named = [f"{m} (shard {owners[m]}/{shard_count})" if owners else m for m in missing]
+    shards = sorted({owners[m] for m in missing}) if owners else []
+    rerun = (
+        f"re-run 'inf2-pipeline compile {release.path} --shard I/{shard_count}' for I in "
+        f"{', '.join(map(str, shards))}"
+        if owners
+        else f"run 'inf2-pipeline compile {release.path}' first (or pass --shard-count N to "
+        "name the shards that should have produced them)"
+    )
     raise MissingBucketsError(
         f"release {release.name} ({name})",
         f"no compiled artifacts for {len(missing)} of {len(release.buckets)} buckets: "
-        f"{', '.join(missing[:8])}{' …' if len(missing) > 8 else ''}",
-        f"run 'inf2-pipeline compile {release.path}' first",
+        f"{', '.join(named[:8])}{' …' if len(named) > 8 else ''}",
+        rerun,
     )
+
+
+def _shard_owners(release: Release, shard_count: int | None) -> dict[str, int]:
+    """Bucket name -> the shard index that compiles it (the split is deterministic)."""
+    if not shard_count:
+        return {}
+    from pipeline.compile.shards import split
+
+    return {b.name: i for i, part in enumerate(split(release.buckets, shard_count)) for b in part}
 
 
 def _entries_for(
@@ -243,12 +267,15 @@ def publish_release(
     key_fn: KeyFn | None = None,
     jobs: int = DEFAULT_JOBS,
     progress: ProgressFn | None = None,
+    shard_count: int | None = None,
 ) -> PublishResult:
     """Publish what compile produced for ``release`` into ``store`` (default: the config's
     store, which is also where the compile cache lives)."""
     cache = open_store(release.store_url)
     dest = store or cache
-    backend, entries = find_entries(release, cache, key_fn or default_key_fn(), backend)
+    backend, entries = find_entries(
+        release, cache, key_fn or default_key_fn(), backend, shard_count
+    )
     sources: dict[str, BlobSource] = {}
     top = []
     for rel, path in checkpoint_files(release.checkpoint).items():
