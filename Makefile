@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(CLI) tiny-model models/tiny-llama --overwrite
 	$(CLI) validate $(DEMO_CONFIG)
 	$(CLI) plan $(DEMO_CONFIG)
+	$(CLI) release $(DEMO_CONFIG) --jobs 2
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -6,7 +6,9 @@
 Runs the cpu and cuda releases (AOTInductor packages, see ``pipeline.graph_abi``). A neuron
 release needs the Neuron runtime, which this loader says plainly instead of failing later.
 Buckets load on first use; ``warmup()`` loads them all. All buckets of a release share one
-copy of the weights in memory (their weights.safetensors files are the same blob).
+copy of the weights in memory (their weights.safetensors files are the same blob). Each
+bucket runs in a ``DecodeSession`` (its own KV caches; on cuda, its decode step replayed as a
+CUDA graph: ``cuda_graphs=False`` turns that off, to compare or debug).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.buckets import Bucket, select_bucket
 from pipeline.errors import InputError, IntegrityError, RuntimeMismatchError
@@ -22,24 +24,32 @@ from pipeline.graph_abi import WEIGHTS_FILE, BucketGraphs, load_weights
 from pipeline.release_dir import BUCKETS, MANIFEST, release_files, resolve_release
 from pipeline.store.manifest import Manifest
 
+if TYPE_CHECKING:
+    from pipeline.decode_session import DecodeSession
+
 RUNNABLE = ("cpu", "cuda")
 
 
 class BucketedModel:
-    def __init__(self, release_dir: Path, manifest: Manifest, device: str) -> None:
+    def __init__(
+        self, release_dir: Path, manifest: Manifest, device: str, *, cuda_graphs: bool = True
+    ) -> None:
         self.dir = release_dir
         self.manifest = manifest
         self.device = device
+        self.cuda_graphs = cuda_graphs
         self.buckets = sorted(Bucket(b.batch, b.seq) for b in manifest.buckets.values())
         self.max_batch = max(b.batch for b in self.buckets)
         self.max_seq = max(b.seq for b in self.buckets)
         self.eos_token_id = _eos_token_id(release_dir)
         self._graphs: dict[Bucket, BucketGraphs] = {}
         self._weights: dict[str, dict[str, Any]] = {}  # by blob digest: one copy per release
-        self._caches: dict[Bucket, tuple[Any, Any]] = {}
+        self._sessions: dict[Bucket, DecodeSession] = {}
 
     @classmethod
-    def load(cls, path: Path | str, backend: str = "auto") -> BucketedModel:
+    def load(
+        cls, path: Path | str, backend: str = "auto", *, cuda_graphs: bool = True
+    ) -> BucketedModel:
         """``DIR/MODEL`` (following ``current``) or a release directory; checks the manifest,
         the files, and that this runtime can run the release."""
         release_dir = resolve_release(Path(path))
@@ -60,7 +70,7 @@ class BucketedModel:
                     "missing or of the wrong size",
                     "the install is incomplete; pull the release again",
                 )
-        return cls(release_dir, manifest, manifest.backend)
+        return cls(release_dir, manifest, manifest.backend, cuda_graphs=cuda_graphs)
 
     def select(self, batch: int, seq: int) -> Bucket:
         """The bucket with the fewest padded tokens holding ``batch`` rows of ``seq`` tokens."""
@@ -86,8 +96,18 @@ class BucketedModel:
         return bucket
 
     def warmup(self) -> None:
+        """Load every bucket, allocate its caches and record its CUDA graph."""
         for bucket in self.buckets:
-            self._bucket(bucket)
+            self.session(bucket)
+
+    def session(self, bucket: Bucket) -> DecodeSession:
+        """The bucket's graphs with their own caches (made on first use)."""
+        from pipeline.decode_session import DecodeSession
+
+        if bucket not in self._sessions:
+            graphs = self._bucket(bucket)
+            self._sessions[bucket] = DecodeSession(graphs, cuda_graphs=self.cuda_graphs)
+        return self._sessions[bucket]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None = -1
@@ -120,37 +140,9 @@ class BucketedModel:
     def _generate_batch(
         self, prompts: Sequence[Sequence[int]], max_new: int, eos: int | None
     ) -> list[list[int]]:
-        import torch
-
         # The cache must hold the prompt and every generated token but the last.
         need = max(len(p) for p in prompts) + max_new - 1
-        bucket = self.select(len(prompts), need)
-        graphs = self._bucket(bucket)
-        k_cache, v_cache = self._cache(bucket, graphs)
-        tokens = torch.zeros((bucket.batch, bucket.seq), dtype=torch.int64)
-        lengths = torch.ones(bucket.batch, dtype=torch.int64)  # unused rows: one pad token
-        for row, p in enumerate(prompts):
-            tokens[row, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
-            lengths[row] = len(p)
-        dev = graphs.device
-        logits = _first(graphs.prefill(tokens.to(dev), lengths.to(dev), k_cache, v_cache))
-        new = [[] for _ in prompts]
-        done = [False] * len(prompts)
-        positions = lengths.to(dev)
-        for step in range(max_new):
-            nxt = logits.argmax(-1)
-            for row in range(len(prompts)):
-                if not done[row]:
-                    token = int(nxt[row])
-                    new[row].append(token)
-                    done[row] = eos is not None and token == eos
-            if step == max_new - 1 or all(done):
-                break
-            logits = _first(
-                graphs.decode(nxt[:, None].to(torch.int64), positions, k_cache, v_cache)
-            )
-            positions = positions + 1
-        return new
+        return self.session(self.select(len(prompts), need)).generate(prompts, max_new, eos)
 
     def _bucket(self, bucket: Bucket) -> BucketGraphs:
         if bucket not in self._graphs:
@@ -159,24 +151,16 @@ class BucketedModel:
             bucket_dir = self.dir / BUCKETS / bucket.name
             if ref.sha256 not in self._weights:
                 self._weights[ref.sha256] = load_weights(bucket_dir / WEIGHTS_FILE, self.device)
+            # Single-threaded packages: CUDA graph capture needs them, and a bucket's one
+            # cache serialises its calls anyway.
             self._graphs[bucket] = BucketGraphs(
-                bucket_dir, self.device, weights=self._weights[ref.sha256]
+                bucket_dir, self.device, weights=self._weights[ref.sha256], single_threaded=True
             )
         return self._graphs[bucket]
-
-    def _cache(self, bucket: Bucket, graphs: BucketGraphs) -> tuple[Any, Any]:
-        # Stale entries are harmless: prefill rewrites 0..S-1 and attention is masked.
-        if bucket not in self._caches:
-            self._caches[bucket] = graphs.new_cache()
-        return self._caches[bucket]
 
     def _vocab(self) -> int:
         config = json.loads((self.dir / "config.json").read_text())
         return int(config["vocab_size"])
-
-
-def _first(out: Any) -> Any:
-    return out[0] if isinstance(out, (list, tuple)) else out
 
 
 def _eos_token_id(release_dir: Path) -> int | None:

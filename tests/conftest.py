@@ -120,3 +120,35 @@ def compiled_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
     report = compile_release(load_config(config), jobs=2, workdir=root / "work")
     assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
     yield config, root / "store"
+
+
+@pytest.fixture(scope="session")
+def compiled_cuda_release(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The demo release compiled for cuda, published and pulled, once per session: the
+    installed release directory. GPU machines only (skips where torch sees no GPU)."""
+    import torch
+    import yaml
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from pipeline.compile.runner import compile_release
+    from pipeline.config import load_config
+    from pipeline.pull import pull_release
+    from pipeline.store import open_store
+    from pipeline.store.publish import publish_release
+
+    root = tmp_path_factory.mktemp("compiled-cuda")
+    source = REPO / "configs" / "tiny-llama.yaml"
+    data = yaml.safe_load(source.read_text())
+    data["model"]["checkpoint"] = str(tiny_checkpoint)
+    data["target"]["backend"] = "cuda"
+    data["buckets"]["grid"] = str((source.parent / data["buckets"]["grid"]).resolve())
+    data["store"] = str(root / "store")
+    config = root / "tiny-llama.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    release = load_config(config)
+    report = compile_release(release, jobs=2, workdir=root / "work")
+    assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
+    version = publish_release(release, version="v-cuda").version
+    pull_release(open_store(str(root / "store")), release.name, root / "models", version=version)
+    return root / "models" / release.name

@@ -19,12 +19,13 @@ CI_FILES = sorted(
 )
 
 
-def _strings(node):
+def _strings(node, key: str = ""):
+    """Every string, and every container exec-form list (under `command:` or `args:`)."""
     if isinstance(node, dict):
-        for v in node.values():
-            yield from _strings(v)
+        for k, v in node.items():
+            yield from _strings(v, str(k))
     elif isinstance(node, list):
-        if node and all(isinstance(x, str) for x in node):
+        if key in ("command", "args") and node and all(isinstance(x, str) for x in node):
             yield node
         for v in node:
             yield from _strings(v)

@@ -10,7 +10,9 @@ from typing import Annotated
 import typer
 
 from pipeline import __version__
-from pipeline.cli import buckets, config, gqa, model, pull
+from pipeline.cli import buckets, config, gqa, model, parity, pull, run
+from pipeline.cli import compile as compile_cli
+from pipeline.cli import store as store_cli
 from pipeline.cli._common import new_app
 
 app = new_app("Ahead-of-time compilation and artifact pipeline for AWS Inferentia2.")
@@ -38,6 +40,10 @@ def _root(
 model.register(app)
 config.register(app)
 pull.register(app)
+run.register(app)
+parity.register(app)
+store_cli.register(app)
+compile_cli.register(app)
 app.add_typer(gqa.app, name="gqa")
 app.add_typer(buckets.app, name="buckets")
 

@@ -1,0 +1,11 @@
+"""The compile stage (DESIGN.md "compile"): one graph set per bucket, a shared cache.
+
+- ``keys``: cache keys (no torch), also used by ``publish``
+- ``shards``: deterministic, cost-balanced splits of the grid
+- ``runner``: cache lookups, parallel worker processes, uploads (``compile_release``)
+- ``worker``: the child-process entry point, one bucket per process
+- ``backends``: cpu/cuda (AOTInductor) and neuron (optimum-cli) behind one interface
+- ``decoder``: the exportable Llama/Mistral/Qwen2 decoder behind the cpu/cuda graphs
+
+The graph contract the runtime relies on is ``pipeline.graph_abi``.
+"""

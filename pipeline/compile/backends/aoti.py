@@ -1,0 +1,223 @@
+"""cpu and cuda backends: ``torch.export`` + AOTInductor, a prefill and a decode package.
+
+Per bucket: export ``decoder.Prefill`` and ``decoder.Decode`` with static shapes, compile
+each with ``aoti_compile_and_package`` into ``prefill.pt2`` / ``decode.pt2``, and describe
+them in ``graph.json`` (``pipeline.graph_abi``). Weights stay out of the packages
+(``package_constants_in_so=False``): ``prepare`` writes them once per run into
+``weights.safetensors``, shared by every bucket, and export runs on uninitialised tensors.
+
+Config flags of the form ``inductor.<option>=<value>`` (JSON value, e.g.
+``inductor.max_autotune=true``) set torch._inductor options; other flags are Neuron
+compiler flags and are ignored here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
+from pipeline.errors import CheckpointError, InputError
+from pipeline.graph_abi import (
+    DECODE_FILE,
+    GRAPH_FILE,
+    PREFILL_FILE,
+    WEIGHTS_FILE,
+    GraphSpec,
+)
+
+FLAG_PREFIX = "inductor."
+# Options every package needs (part of the cache key through key_options).
+BASE_OPTIONS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
+# CPU: the C++ wrapper dominates compile time and is not on the hot path, so build it at
+# -O0 without line tables; kernels keep -O3. On x86-64, target x86-64-v3 (AVX2, FMA) rather
+# than -march=native, so packages built on a CI machine with AVX-512 run on any modern CPU.
+CPU_OPTIONS: dict[str, Any] = {
+    "aot_inductor.compile_wrapper_opt_level": "O0",
+    "aot_inductor.enable_line_tables": False,
+}
+X86_OPTIONS: dict[str, Any] = {"cpp.march": "x86-64-v3", "cpp.simdlen": 256}
+
+
+def parse_flags(flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """``inductor.KEY=VALUE`` flags → {KEY: value}; other flags are not ours."""
+    out = {}
+    for flag in flags:
+        if not flag.startswith(FLAG_PREFIX):
+            continue
+        key, sep, raw = flag[len(FLAG_PREFIX) :].partition("=")
+        if not sep or not key:
+            raise InputError(
+                f"compiler flag '{flag}'",
+                "not of the form inductor.<option>=<value>",
+                "e.g. inductor.max_autotune=true",
+            )
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw  # a bare word: a string option such as O1
+    return out
+
+
+class AotiBackend(Backend):
+    device = "cpu"
+
+    def versions(self) -> dict[str, str]:
+        return {p: metadata.version(p) for p in ("torch", "transformers")}
+
+    def key_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+        return {"inductor": self.inductor_options(flags), "machine": platform.machine()}
+
+    def inductor_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+        return {**self.default_options(), **parse_flags(flags)}
+
+    def default_options(self) -> dict[str, Any]:
+        return dict(BASE_OPTIONS)
+
+    def prepare(self, model_dir: Path, dtype: str, out_dir: Path) -> dict[str, Path]:
+        """Write ``weights.safetensors``: the checkpoint's tensors in ``dtype``, by name."""
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoConfig
+
+        from pipeline.compile import decoder as dec
+
+        cfg = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = dec.Decoder(cfg)
+        tied = dec.aliases(model)
+        wanted = set(model.state_dict()) - set(tied) - {"rope_inv_freq"}
+        state = read_checkpoint(model_dir)
+        missing = sorted(wanted - set(state))
+        unexpected = sorted(set(state) - wanted - set(tied))
+        if missing or unexpected:
+            raise CheckpointError(
+                str(model_dir),
+                f"weights do not match {cfg.model_type}: missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]}",
+                "is config.json the checkpoint's own?",
+            )
+        target = getattr(torch, dtype)
+        tensors = {k: state[k].to(target).contiguous() for k in sorted(wanted)}
+        tensors["rope_inv_freq"] = dec.rope_frequencies(cfg)[0].contiguous()
+        out = Path(out_dir) / WEIGHTS_FILE
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.incomplete")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.chmod(0o644)
+        os.replace(tmp, out)
+        return {WEIGHTS_FILE: out}
+
+    def compile(self, job: BucketJob) -> BucketOutput:
+        import torch
+        from torch._inductor import aoti_compile_and_package
+        from transformers import AutoConfig
+
+        from pipeline.compile import decoder as dec
+
+        torch._inductor.config.compile_threads = 1  # parallelism comes from --jobs
+        cfg = AutoConfig.from_pretrained(job.model_dir)
+        dtype = getattr(torch, job.dtype)
+        with torch.device("meta"):
+            model = dec.Decoder(cfg)  # only for the names of tied weights
+        spec = GraphSpec(
+            batch=job.bucket.batch,
+            seq=job.bucket.seq,
+            layers=cfg.num_hidden_layers,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=dec.head_dim(cfg),
+            vocab=cfg.vocab_size,
+            dtype=job.dtype,
+            device=self.device,
+            aliases=dec.aliases(model),
+        )
+        options = self.inductor_options(job.flags)
+        seconds = {}
+        for name, graph, tokens, index in self._graphs(spec):
+            module = dec.build(cfg, dtype, self.device, graph)
+            cache = [torch.zeros(spec.cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
+            start = time.monotonic()
+            with torch.no_grad():
+                program = torch.export.export(module, (tokens, index, *cache), strict=False)
+            path = job.out_dir / name
+            aoti_compile_and_package(
+                program, package_path=str(path), inductor_configs=dict(options)
+            )
+            seconds[name] = round(time.monotonic() - start, 2)
+            print(f"{name}: exported and compiled in {seconds[name]}s", flush=True)
+        (job.out_dir / GRAPH_FILE).write_text(spec.to_json())
+        weights = job.out_dir / WEIGHTS_FILE
+        _link(job.shared[WEIGHTS_FILE], weights)
+        files = {n: job.out_dir / n for n in (PREFILL_FILE, DECODE_FILE, GRAPH_FILE)}
+        files[WEIGHTS_FILE] = weights
+        return BucketOutput(
+            files=files,
+            meta={"device": self.device, "inductor_options": options, "graph_seconds": seconds},
+        )
+
+    def _graphs(self, spec: GraphSpec):
+        import torch
+
+        from pipeline.compile.decoder import Decode, Prefill
+
+        b, s, dev = spec.batch, spec.seq, self.device
+        full = torch.full((b,), s, dtype=torch.long, device=dev)
+        zeros = torch.zeros((b,), dtype=torch.long, device=dev)
+        yield PREFILL_FILE, Prefill, torch.zeros((b, s), dtype=torch.long, device=dev), full
+        yield DECODE_FILE, Decode, torch.zeros((b, 1), dtype=torch.long, device=dev), zeros
+
+
+class CpuBackend(AotiBackend):
+    name = "cpu"
+    device = "cpu"
+
+    def default_options(self) -> dict[str, Any]:
+        x86 = X86_OPTIONS if platform.machine() in ("x86_64", "AMD64") else {}
+        return {**BASE_OPTIONS, **CPU_OPTIONS, **x86}
+
+
+class CudaBackend(AotiBackend):
+    name = "cuda"
+    device = "cuda"
+
+    def unavailable_reason(self) -> str | None:
+        if not cuda_present():
+            return "no NVIDIA GPU visible (torch.cuda.is_available() is False)"
+        return None
+
+
+def cuda_present() -> bool:
+    """A GPU torch can use; checks for the driver first so CPU machines skip importing torch."""
+    if not (shutil.which("nvidia-smi") or Path("/proc/driver/nvidia").exists()):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def read_checkpoint(model_dir: Path) -> dict[str, Any]:
+    """Every tensor of a Hugging Face checkpoint (safetensors, else PyTorch .bin files)."""
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if files:
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    files = sorted(Path(model_dir).glob("*.bin"))
+    if not files:
+        raise CheckpointError(str(model_dir), "no *.safetensors or *.bin weights", None)
+    return {k: v for f in files for k, v in torch.load(f, weights_only=True).items()}
+
+
+def _link(src: Path, dest: Path) -> None:
+    """Hard-link (the shared weights cost no space per bucket); copy across filesystems."""
+    dest.unlink(missing_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)

@@ -1,0 +1,91 @@
+"""The narrow boundary every compile backend implements (DESIGN.md "Compile targets").
+
+A backend takes (model dir, bucket, plan, flags, workdir) and returns files plus metadata.
+It knows nothing about stores, shards, cache keys or manifests: the runner does that.
+``compile`` runs in a child process (``pipeline.compile.worker``), so a backend may block,
+crash or be killed without harming the run.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.buckets import Bucket
+
+
+@dataclass(frozen=True)
+class BucketJob:
+    """One bucket to compile. Plain data, so it travels to the worker as JSON."""
+
+    model_dir: Path  # the checkpoint to compile (GQA-padded when the backend asks for it)
+    bucket: Bucket
+    tp: int
+    gqa: dict[str, Any]  # GqaPlan.to_dict()
+    dtype: str  # float32 | bfloat16 | float16
+    flags: tuple[str, ...]
+    auto_cast_type: str
+    out_dir: Path  # empty directory for this bucket's files
+    shared: dict[str, Path] = field(default_factory=dict)  # files from prepare(), by name
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            model_dir=str(self.model_dir),
+            bucket=self.bucket.name,
+            out_dir=str(self.out_dir),
+            flags=list(self.flags),
+            shared={k: str(v) for k, v in self.shared.items()},
+        )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BucketJob:
+        return cls(
+            model_dir=Path(d["model_dir"]),
+            bucket=Bucket.parse(d["bucket"]),
+            tp=d["tp"],
+            gqa=d["gqa"],
+            dtype=d["dtype"],
+            flags=tuple(d["flags"]),
+            auto_cast_type=d["auto_cast_type"],
+            out_dir=Path(d["out_dir"]),
+            shared={k: Path(v) for k, v in d["shared"].items()},
+        )
+
+
+@dataclass
+class BucketOutput:
+    """What a bucket compiled to: files by their path inside the bucket (all of them under
+    ``job.out_dir``; hard-link shared files there), and facts for the cache entry."""
+
+    files: dict[str, Path]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(ABC):
+    name: str
+    # cpu/cuda compile the GQA-padded checkpoint; Neuron's tooling pads heads itself.
+    wants_padded_checkpoint: bool = True
+
+    def unavailable_reason(self) -> str | None:
+        """None when this backend can compile here; else one line saying what is missing."""
+        return None
+
+    @abstractmethod
+    def versions(self) -> dict[str, str]:
+        """Compiler and library versions that change the output (part of the cache key)."""
+
+    def key_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+        """Settings beyond the config's flags that change the output (part of the key)."""
+        return {}
+
+    def prepare(self, model_dir: Path, dtype: str, out_dir: Path) -> dict[str, Path]:
+        """Make files every bucket shares (once per run, in a worker). Default: none."""
+        return {}
+
+    @abstractmethod
+    def compile(self, job: BucketJob) -> BucketOutput:
+        """Compile one bucket into ``job.out_dir``. Runs in a child process."""

@@ -1,0 +1,456 @@
+"""The compile stage: cache lookups, then one child process per missing bucket.
+
+For each bucket of this shard (most expensive first): compute its cache key; an entry in
+the store is a hit (downloaded only with ``download=True``). Misses compile in worker
+processes, ``jobs`` at a time, each with its own log file and the config's timeout. A
+finished bucket's files go to the store as content-addressed blobs, and only then its cache
+entry, so an entry that exists is complete: a crash or Ctrl-C leaves at most unreferenced
+blobs. One bucket's failure never stops the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline._files import atomic_write_text
+from pipeline.buckets import Bucket
+from pipeline.compile import shards
+from pipeline.compile.backends import backend_path, get_backend, resolve_backend
+from pipeline.compile.backends.base import BucketJob
+from pipeline.compile.keys import (
+    digest,
+    key_material,
+    model_config_digest,
+    release_gqa_plan,
+    weights_digest,
+)
+from pipeline.config import Release
+from pipeline.errors import InputError
+from pipeline.store import open_store
+from pipeline.store.base import Store
+from pipeline.store.blobs import FileRef, put_blob
+from pipeline.store.cache import CacheEntry, fetch_cache_entry, read_cache_entry
+from pipeline.store.cache import write_cache_entry as _write_entry
+
+LOG_FILE = "compile.log"  # each bucket's log, also kept in its cache entry
+POLL_S = 0.05
+LOOKUP_THREADS = 16
+KILL_GRACE_S = 3.0
+
+Event = Callable[[str, "BucketResult"], None]  # ("start" | "done", result)
+
+
+@dataclass
+class BucketResult:
+    bucket: Bucket
+    key: str
+    status: str = "pending"  # cached | compiled | failed | timeout | interrupted
+    seconds: float = 0.0
+    log: Path | None = None
+    error: str | None = None
+    files: list[FileRef] = field(default_factory=list)
+    material: dict[str, Any] = field(default_factory=dict, repr=False)  # what the key hashes
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.status == "cached"
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("cached", "compiled")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bucket": self.bucket.name,
+            "status": self.status,
+            "seconds": round(self.seconds, 3),
+            "cache_hit": self.cache_hit,
+            "key": self.key,
+            "log": str(self.log) if self.log else None,
+            "error": self.error,
+            "files": [f.model_dump() for f in self.files],
+        }
+
+
+@dataclass
+class CompileReport:
+    model: str
+    backend: str
+    store: str
+    shard: tuple[int, int]
+    workdir: Path
+    weights_digest: str
+    results: list[BucketResult]
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> list[BucketResult]:
+        return [r for r in self.results if not r.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        counts: dict[str, int] = {}
+        for r in self.results:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        return {
+            "model": self.model,
+            "backend": self.backend,
+            "store": self.store,
+            "shard": f"{self.shard[0]}/{self.shard[1]}",
+            "workdir": str(self.workdir),
+            "weights_digest": self.weights_digest,
+            "seconds": round(self.seconds, 3),
+            "counts": counts,
+            "failed": [r.bucket.name for r in self.failed],
+            "buckets": [r.to_dict() for r in self.results],
+        }
+
+
+def default_workdir(release: Release) -> Path:
+    return Path("work") / "compile" / release.name
+
+
+def compile_release(
+    release: Release,
+    *,
+    backend: str | None = None,
+    jobs: int = 1,
+    shard: tuple[int, int] = (0, 1),
+    workdir: Path | None = None,
+    store: Store | str | None = None,
+    download: bool = False,
+    timeout_s: float | None = None,
+    on_event: Event | None = None,
+) -> CompileReport:
+    """Compile this shard of the release's buckets into the store's cache; never raises for
+    a bucket's failure (see ``CompileReport.failed``)."""
+    if jobs < 1:
+        raise InputError(f"--jobs {jobs}", "must be ≥ 1", None)
+    start = time.monotonic()
+    name = resolve_backend(backend or release.config.target.backend)
+    be = get_backend(name)
+    store = open_store(store or release.store_url) if not isinstance(store, Store) else store
+    workdir = Path(workdir or default_workdir(release)).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    weights = weights_digest(release.checkpoint, stat_cache=workdir / "weight-digests.json")
+    versions = be.versions()
+    results = []
+    for b in shards.shard(release.buckets, *shard):
+        material = key_material(release, b, name, weights=weights, versions=versions)
+        results.append(BucketResult(b, digest(material), material=material))
+    emit = on_event or (lambda *_: None)
+    misses = []
+    # One GET per bucket: concurrent, so a no-op run against S3 stays fast.
+    with ThreadPoolExecutor(LOOKUP_THREADS) as pool:
+        found = list(pool.map(lambda r: read_cache_entry(store, r.key), results))
+    for r, entry in zip(results, found, strict=True):
+        if entry is None:
+            r.log = workdir / "logs" / f"{r.bucket.name}.log"
+            misses.append(r)
+            continue
+        r.status, r.files = "cached", list(entry.files)
+        if download:
+            fetch_cache_entry(store, entry, _fresh_dir(workdir / "buckets" / r.bucket.name))
+        emit("done", r)
+    if misses:
+        _Scheduler(release, name, store, workdir, weights, versions, jobs, timeout_s, emit).run(
+            misses
+        )
+    return CompileReport(
+        model=release.name,
+        backend=name,
+        store=store.url,
+        shard=shard,
+        workdir=workdir,
+        weights_digest=weights,
+        results=results,
+        seconds=time.monotonic() - start,
+    )
+
+
+@dataclass
+class _Running:
+    result: BucketResult
+    proc: subprocess.Popen
+    started: float
+    deadline: float
+    out_dir: Path
+    result_file: Path
+    spec_file: Path
+
+
+class _Scheduler:
+    def __init__(
+        self,
+        release: Release,
+        backend: str,
+        store: Store,
+        workdir: Path,
+        weights: str,
+        versions: dict[str, str],
+        jobs: int,
+        timeout_s: float | None,
+        emit: Event,
+    ) -> None:
+        self.release, self.backend, self.store = release, backend, store
+        self.workdir, self.weights, self.versions = workdir, weights, versions
+        self.jobs, self.emit = jobs, emit
+        self.timeout = float(timeout_s or release.config.compiler.timeout_s)
+        self.uploaded: dict[tuple[int, int], FileRef] = {}  # shared files: hashed, sent once
+
+    def run(self, misses: list[BucketResult]) -> None:
+        running: list[_Running] = []
+        try:
+            model_dir, shared = self._prepare()
+            queue = list(misses)
+            while queue or running:
+                while queue and len(running) < self.jobs:
+                    running.append(self._start(queue.pop(0), model_dir, shared))
+                time.sleep(POLL_S)
+                for job in [j for j in running if self._finished(j)]:
+                    running.remove(job)
+        except _PrepareFailed as e:
+            for r in misses:
+                r.status, r.error = "failed", str(e)
+                self.emit("done", r)
+        except BaseException:
+            # Ctrl-C (or any crash here): stop every child compiler, write no entry.
+            for job in running:
+                _kill(job.proc)
+                job.result.status, job.result.error = "interrupted", "stopped, no entry written"
+                self.emit("done", job.result)
+            raise
+
+    # -- once per run ----------------------------------------------------------------------
+
+    def _prepare(self) -> tuple[Path, dict[str, Path]]:
+        """The checkpoint to compile (GQA-padded when asked) and the backend's shared files,
+        kept in the workdir under names derived from their inputs, so reruns reuse them."""
+        be = get_backend(self.backend)
+        cfg = self.release.config
+        plan = release_gqa_plan(self.release)
+        model_dir = self.release.checkpoint
+        inputs = {
+            "weights": self.weights,
+            "model_config": model_config_digest(model_dir),
+            "gqa": plan.to_dict(),
+        }
+        if be.wants_padded_checkpoint and plan.tp > 1 and plan.strategy != "none":
+            model_dir = self.workdir / "padded" / digest(inputs)[:16]
+            if not model_dir.is_dir():
+                _pad(self.release.checkpoint, model_dir, plan.tp, cfg.target.gqa_strategy)
+        inputs.update(dtype=cfg.model.dtype, backend=self.backend, versions=self.versions)
+        shared_dir = self.workdir / "shared" / digest(inputs)[:16]
+        done = shared_dir / "prepared.json"
+        if done.is_file():
+            return model_dir, {k: Path(v) for k, v in json.loads(done.read_text()).items()}
+        shared_dir.mkdir(parents=True, exist_ok=True)
+        spec = {
+            "kind": "prepare",
+            "name": "prepare",
+            "backend": backend_path(self.backend),
+            "model_dir": str(model_dir),
+            "dtype": cfg.model.dtype,
+            "out_dir": str(shared_dir),
+        }
+        log = self.workdir / "logs" / "prepare.log"
+        result_file = shared_dir / f".result.{os.getpid()}.json"
+        spec_file = shared_dir / f".spec.{os.getpid()}.json"
+        proc = _spawn(spec, spec_file, result_file, log)
+        try:
+            code = proc.wait(timeout=self.timeout)
+            if code != 0 or not result_file.is_file():
+                raise _PrepareFailed(f"prepare failed: {_last_error(log, code)} (log: {log})")
+            files = json.loads(result_file.read_text())["files"]
+        except subprocess.TimeoutExpired:
+            _kill(proc)
+            raise _PrepareFailed(
+                f"prepare timed out after {self.timeout:g}s (log: {log})"
+            ) from None
+        except BaseException:
+            _kill(proc)
+            raise
+        finally:
+            result_file.unlink(missing_ok=True)
+            spec_file.unlink(missing_ok=True)
+        atomic_write_text(done, json.dumps(files))
+        return model_dir, {k: Path(v) for k, v in files.items()}
+
+    # -- per bucket ------------------------------------------------------------------------
+
+    def _start(self, r: BucketResult, model_dir: Path, shared: dict[str, Path]) -> _Running:
+        cfg = self.release.config
+        plan = release_gqa_plan(self.release)
+        out_dir = _fresh_dir(self.workdir / "tmp" / f"{r.bucket.name}.{os.getpid()}")
+        job = BucketJob(
+            model_dir=model_dir,
+            bucket=r.bucket,
+            tp=cfg.target.tp_degree,
+            gqa=plan.to_dict(),
+            dtype=cfg.model.dtype,
+            flags=tuple(cfg.compiler.flags),
+            auto_cast_type=cfg.compiler.auto_cast_type,
+            out_dir=out_dir,
+            shared=shared,
+        )
+        spec = {
+            "kind": "bucket",
+            "name": r.bucket.name,
+            "backend": backend_path(self.backend),
+            "job": job.to_dict(),
+        }
+        assert r.log is not None
+        result_file = out_dir.parent / f"{out_dir.name}.result.json"
+        spec_file = out_dir.parent / f"{out_dir.name}.spec.json"
+        proc = _spawn(spec, spec_file, result_file, r.log)
+        now = time.monotonic()
+        r.status = "compiling"
+        self.emit("start", r)
+        return _Running(r, proc, now, now + self.timeout, out_dir, result_file, spec_file)
+
+    def _finished(self, job: _Running) -> bool:
+        r = job.result
+        code = job.proc.poll()
+        if code is None and time.monotonic() < job.deadline:
+            return False
+        r.seconds = time.monotonic() - job.started
+        if code is None:
+            _kill(job.proc)
+            r.status, r.error = "timeout", f"timed out after {self.timeout:g}s"
+        elif code != 0 or not job.result_file.is_file():
+            r.status, r.error = "failed", _last_error(r.log, code)
+        else:
+            try:
+                self._publish(r, job)
+                r.status = "compiled"
+            except Exception as e:  # an unreadable result or a store failure: this bucket only
+                r.status, r.error = "failed", f"{type(e).__name__}: {e}"
+        # What a failed bucket left is in its log; its partial outputs go.
+        shutil.rmtree(job.out_dir, ignore_errors=True)
+        for f in (job.result_file, job.spec_file):
+            f.unlink(missing_ok=True)
+        self.emit("done", r)
+        return True
+
+    def _publish(self, r: BucketResult, job: _Running) -> None:
+        """Blobs first, then the entry: an entry that exists names only stored blobs."""
+        result = json.loads(job.result_file.read_text())
+        final = self.workdir / "buckets" / r.bucket.name
+        _replace_dir(job.out_dir, final)
+        files = {
+            rel: final / Path(p).relative_to(job.out_dir) for rel, p in result["files"].items()
+        }
+        assert r.log is not None
+        files[LOG_FILE] = r.log
+        refs = [self._put(path, rel) for rel, path in sorted(files.items())]
+        meta = {
+            "weights_digest": self.weights,
+            "versions": self.versions,
+            "key_material": r.material,
+            "seconds": round(r.seconds, 3),
+            "backend_meta": result.get("meta", {}),
+        }
+        entry = CacheEntry(
+            key=r.key, bucket=r.bucket.name, backend=self.backend, files=refs, meta=meta
+        )
+        _write_entry(self.store, entry)
+        r.files = refs
+
+    def _put(self, path: Path, rel: str) -> FileRef:
+        # Hard-linked shared files (weights) have one inode: hash and upload them once.
+        st = path.stat()
+        cached = self.uploaded.get((st.st_dev, st.st_ino))
+        if cached is not None:
+            return cached.model_copy(update={"path": rel})
+        ref, _ = put_blob(self.store, path, rel)
+        self.uploaded[(st.st_dev, st.st_ino)] = ref
+        return ref
+
+
+class _PrepareFailed(Exception):
+    pass
+
+
+def _spawn(spec: dict[str, Any], spec_file: Path, result_file: Path, log: Path):
+    """Start a worker in its own process group (so a kill reaches its compilers too)."""
+    spec_file.parent.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(json.dumps(spec, indent=2))
+    result_file.unlink(missing_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # The child imports what this process imports (tests register backends from tests/).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline.compile.worker", str(spec_file), str(result_file)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGTERM the worker's process group; after a grace period SIGKILL whatever is left of
+    the group (the worker, or compilers it started: g++, neuronx-cc)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _last_error(log: Path | None, code: int | None = None) -> str:
+    """The worker's ``error:`` line, else its last line, else the exit status."""
+    lines: list[str] = []
+    if log and log.is_file():
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("error: "):
+            return ln.removeprefix("error: ")
+    if code is not None and code < 0:
+        return f"killed by signal {signal.Signals(-code).name}" + (
+            f"; last log line: {lines[-1]}" if lines else ""
+        )
+    tail = f": {lines[-1]}" if lines else ""
+    return f"exit status {code}{tail}"
+
+
+def _fresh_dir(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def _replace_dir(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    old = dest.with_name(f".{dest.name}.old.{os.getpid()}")
+    if dest.exists():
+        dest.rename(old)
+    src.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _pad(src: Path, out: Path, tp: int, strategy: str) -> None:
+    try:
+        from pipeline.gqa_pad import pad_checkpoint
+    except ImportError:
+        raise InputError(
+            "GQA padding",
+            f"tp {tp} needs the padded checkpoint, and pipeline.gqa_pad is not available",
+            "install inf2-pipeline[torch]",
+        ) from None
+    pad_checkpoint(src, out, tp, strategy)

@@ -1,0 +1,172 @@
+"""The contract between compiled cpu/cuda buckets and whoever runs them (runtime, parity).
+
+A bucket directory holds::
+
+    graph.json           GraphSpec below: shapes, dtype, device, the constants' names
+    prefill.pt2          AOTInductor package
+    decode.pt2           AOTInductor package
+    weights.safetensors  every constant of both graphs, by name (identical in every bucket
+                         of a release, so the store keeps one blob and a loader one copy)
+
+Both graphs take the KV caches as inputs and update them **in place**; the caller owns them
+(allocate with ``new_cache``), so prefill and decode share one cache without copies and
+CUDA graphs can capture both with fixed addresses. The graphs return only logits.
+
+``prefill(tokens, lengths, k_cache, v_cache) -> logits``
+    tokens  int64 [B, S]  prompts, right-padded (any pad id)
+    lengths int64 [B]     real tokens per row, 1..S
+    logits  fp32  [B, V]  for each row's last real token (position lengths-1)
+    writes cache positions 0..S-1 (pad positions hold junk that decode overwrites)
+
+``decode(tokens, positions, k_cache, v_cache) -> logits``
+    tokens    int64 [B, 1]  one new token per row
+    positions int64 [B]     where it goes: lengths for the first step, then +1 each step
+    logits    fp32  [B, V]
+    attends to cache positions 0..positions (inclusive)
+
+Bounds are the caller's job: positions must be < S and token ids < V. The kernels check
+indices, and a failed check aborts the process rather than raising.
+
+caches: ``dtype`` [L, B, KV, S, D] each (KV after GQA padding). Rows that are not in use
+may hold any tokens with length 1; their logits are meaningless.
+
+Weights are not inside the packages (AOTInductor ``package_constants_in_so=False``): load
+them once with ``load_weights`` and bind them to each graph with ``load_graph``, which calls
+the loader's ``load_constants(..., user_managed=True)`` so every graph shares the same
+tensors. Nothing here imports torch until it is called.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ABI_VERSION = 1
+GRAPH_FILE = "graph.json"
+PREFILL_FILE = "prefill.pt2"
+DECODE_FILE = "decode.pt2"
+WEIGHTS_FILE = "weights.safetensors"
+PREFILL_INPUTS = ("tokens", "lengths", "k_cache", "v_cache")
+DECODE_INPUTS = ("tokens", "positions", "k_cache", "v_cache")
+OUTPUTS = ("logits",)
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    batch: int
+    seq: int
+    layers: int
+    kv_heads: int  # after GQA padding
+    head_dim: int
+    vocab: int
+    dtype: str  # cache and weights dtype: float32 | bfloat16 | float16
+    device: str  # "cpu" or "cuda": where the packages run
+    # constant name the graphs ask for -> name in weights.safetensors (tied embeddings)
+    aliases: dict[str, str] = field(default_factory=dict)
+    abi: int = ABI_VERSION
+    prefill_inputs: tuple[str, ...] = PREFILL_INPUTS
+    decode_inputs: tuple[str, ...] = DECODE_INPUTS
+    outputs: tuple[str, ...] = OUTPUTS
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, self.batch, self.kv_heads, self.seq, self.head_dim)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def read(cls, bucket_dir: Path) -> GraphSpec:
+        data: dict[str, Any] = json.loads((Path(bucket_dir) / GRAPH_FILE).read_text())
+        if data.get("abi") != ABI_VERSION:
+            raise ValueError(f"graph ABI {data.get('abi')} is not {ABI_VERSION}; recompile")
+        for k in ("prefill_inputs", "decode_inputs", "outputs"):
+            data[k] = tuple(data[k])
+        return cls(**data)
+
+
+def new_cache(spec: GraphSpec, device: Any = None) -> tuple[Any, Any]:
+    """Zeroed (k_cache, v_cache) for one bucket."""
+    import torch
+
+    dtype = getattr(torch, spec.dtype)
+    device = device or spec.device
+    return (
+        torch.zeros(spec.cache_shape, dtype=dtype, device=device),
+        torch.zeros(spec.cache_shape, dtype=dtype, device=device),
+    )
+
+
+def load_weights(path: Path, device: Any = "cpu") -> dict[str, Any]:
+    """weights.safetensors → {name: tensor} on ``device``. Load once, share across buckets."""
+    from safetensors.torch import load_file
+
+    return load_file(str(path), device=str(device))
+
+
+def load_graph(
+    path: Path,
+    weights: dict[str, Any],
+    spec: GraphSpec,
+    device: Any = None,
+    *,
+    single_threaded: bool = False,
+):
+    """Load one .pt2 and bind the shared weights to it (no copy: user-managed constants).
+
+    ``single_threaded``: run without the package's locks and CUDA events, which CUDA graph
+    capture forbids (``pipeline.cuda_graphs``); the caller must not call it concurrently."""
+    import torch
+    from torch._inductor import aoti_load_package
+
+    device = torch.device(device or spec.device)
+    _quiet_isa_notice()
+    model = aoti_load_package(
+        str(path),
+        run_single_threaded=single_threaded,
+        device_index=-1 if device.index is None else device.index,
+    )
+    constants = {n: weights[spec.aliases.get(n, n)] for n in model.get_constant_fqns()}
+    model.load_constants(constants, check_full_update=True, user_managed=True)
+    return model
+
+
+def _quiet_isa_notice() -> None:
+    """cpu packages target a portable ISA (x86-64-v3) on purpose; torch warns at every load
+    that the build machine had more. Drop just that notice."""
+    import logging
+
+    log = logging.getLogger("torch.export.pt2_archive._package")
+    if not any(isinstance(f, _IsaNotice) for f in log.filters):
+        log.addFilter(_IsaNotice())
+
+
+class _IsaNotice:
+    def filter(self, record: Any) -> bool:
+        return "AOTI_CPU_ISA" not in record.getMessage()
+
+
+class BucketGraphs:
+    """Both graphs of one bucket directory, ready to call."""
+
+    def __init__(
+        self,
+        bucket_dir: Path,
+        device: Any = None,
+        weights: dict | None = None,
+        *,
+        single_threaded: bool = False,
+    ):
+        self.dir = Path(bucket_dir)
+        self.single_threaded = single_threaded
+        self.spec = GraphSpec.read(self.dir)
+        self.device = device or self.spec.device
+        self.weights = weights or load_weights(self.dir / WEIGHTS_FILE, self.device)
+        args = (self.weights, self.spec, self.device)
+        self.prefill = load_graph(self.dir / PREFILL_FILE, *args, single_threaded=single_threaded)
+        self.decode = load_graph(self.dir / DECODE_FILE, *args, single_threaded=single_threaded)
+
+    def new_cache(self) -> tuple[Any, Any]:
+        return new_cache(self.spec, self.device)

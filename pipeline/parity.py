@@ -1,0 +1,600 @@
+"""Parity: a compiled release against the eager Hugging Face model, bucket by bucket.
+
+For each bucket, seeded prompts of three lengths (1 token, half the bucket, and the longest
+that leaves room for N decode steps) fill the bucket's rows. The release runs them padded
+into the bucket, through the same runtime that serves it (``DecodeSession``: CUDA graphs on
+cuda); the reference runs each prompt alone, unpadded, in fp32, on the reference device.
+
+* Logits after the prompt and after each of N decode steps, **teacher-forced** on the
+  reference's greedy tokens so that one early difference does not compound: max absolute
+  error, max relative error (|Δ| over the row's largest |reference logit|), top-1 agreement.
+* N+1 **free-running** greedy tokens from the release's own ``generate``: equal to the
+  reference's, or diverging only where the reference itself was within the tolerance of a tie.
+
+The reference's weights come from one of two places:
+
+* ``checkpoint``: the Hugging Face checkpoint the release was compiled from, loaded by
+  transformers as it stands. Its weights digest must equal the manifest's. Independent of
+  everything the pipeline did to the weights (GQA padding, dtype cast), so it checks those too.
+* otherwise the release itself: its config.json and a bucket's weights.safetensors (verified
+  against the manifest's sha256) with the GQA head padding undone, upcast to fp32. This checks
+  the compiled graphs and the runtime on exactly the weights they run with.
+
+A release runs through whatever runtime can load it (``RUNNERS``, by backend); a neuron
+release needs the Neuron runtime and says so plainly where it is absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pipeline._files import atomic_write_text, sha256_file
+from pipeline.errors import (
+    BackendUnavailableError,
+    InputError,
+    IntegrityError,
+    RuntimeMismatchError,
+)
+from pipeline.graph_abi import WEIGHTS_FILE
+from pipeline.release_dir import BUCKETS, MANIFEST, release_files, resolve_release
+from pipeline.store.manifest import Manifest
+
+DEFAULT_STEPS = 8
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_rel: float  # max |Δ logit| ÷ max |reference logit| of that row
+    min_top1: float  # share of compared logit rows whose top-1 token agrees
+
+
+# fp32 differs only in summation order (measured ~1e-6 relative). Half precision differs in
+# every rounding: on random-weight models we measured ~1.2% relative for bf16, ~0.15% for fp16.
+TOLERANCES = {
+    "float32": Tolerance(max_rel=1e-4, min_top1=1.0),
+    "float16": Tolerance(max_rel=1e-2, min_top1=0.98),
+    "bfloat16": Tolerance(max_rel=5e-2, min_top1=0.9),
+}
+# Neuron's --auto_cast_type lowers matmul precision below the weights' dtype.
+AUTO_CAST_DTYPES = {"fp32": "float32", "tf32": "float16", "fp16": "float16", "bf16": "bfloat16"}
+
+
+class BucketRunner(Protocol):
+    """One bucket of a release, runnable: what ``DecodeSession`` provides."""
+
+    batch: int
+    seq: int
+
+    def prefill(self, tokens: Any, lengths: Any) -> Any: ...
+    def decode(self, tokens: Any, positions: Any) -> Any: ...
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None
+    ) -> list[list[int]]: ...
+
+
+class AotiRunner:
+    """cpu and cuda releases: the serving runtime itself (``BucketedModel``)."""
+
+    def __init__(self, release_dir: Path, manifest: Manifest, *, cuda_graphs: bool) -> None:
+        from pipeline.runtime import BucketedModel
+
+        self.model = BucketedModel.load(release_dir, cuda_graphs=cuda_graphs)
+        self.device = self.model.device
+
+    def session(self, bucket: str) -> BucketRunner:
+        from pipeline.buckets import Bucket
+
+        return self.model.session(Bucket.parse(bucket))
+
+
+class NeuronRunner:
+    """neuron releases: need torch-neuronx on a host with NeuronCores."""
+
+    device = "neuron"
+
+    def __init__(self, release_dir: Path, manifest: Manifest, *, cuda_graphs: bool) -> None:
+        what = f"release {manifest.model} {manifest.version}"
+        if importlib.util.find_spec("torch_neuronx") is None:
+            raise RuntimeMismatchError(
+                what,
+                "is a neuron release and the Neuron runtime (torch-neuronx) is not installed here",
+                "run parity on an inf2/trn1 host with the AWS Neuron SDK: pip install "
+                "--extra-index-url https://pip.repos.neuron.amazonaws.com torch-neuronx "
+                "optimum-neuron",
+            )
+        raise RuntimeMismatchError(
+            what,
+            "running neuron buckets step by step is not implemented in this inf2-pipeline",
+            "check the release with NxD Inference's own accuracy tools meanwhile",
+        )
+
+    def session(self, bucket: str) -> BucketRunner:  # pragma: no cover - see __init__
+        raise NotImplementedError
+
+
+RUNNERS: dict[str, Callable[..., Any]] = {
+    "cpu": AotiRunner,
+    "cuda": AotiRunner,
+    "neuron": NeuronRunner,
+}
+
+
+@dataclass
+class BucketParity:
+    bucket: str
+    prompt_lengths: list[int]
+    prompts: int = 0
+    rows: int = 0  # compared logit rows: prompts × (steps + 1)
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    top1: float = 0.0
+    greedy_exact: float = 0.0  # share of prompts whose steps + 1 greedy tokens all match
+    greedy_near_ties: int = 0  # prompts that diverged where the reference was near a tie
+    greedy_decisive: int = 0  # prompts that diverged where the reference was not
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+@dataclass
+class ParityReport:
+    release: str
+    model: str
+    version: str
+    backend: str
+    dtype: str
+    tolerance_dtype: str
+    tolerance: Tolerance
+    reference: dict[str, str]
+    steps: int
+    seed: int
+    cuda_graphs: bool
+    buckets: list[BucketParity]
+
+    @property
+    def passed(self) -> bool:
+        return all(b.passed for b in self.buckets)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "release": self.release,
+            "model": self.model,
+            "version": self.version,
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "tolerance": {"dtype": self.tolerance_dtype, **asdict(self.tolerance)},
+            "reference": self.reference,
+            "steps": self.steps,
+            "seed": self.seed,
+            "cuda_graphs": self.cuda_graphs,
+            "passed": self.passed,
+            "buckets": [b.to_dict() for b in self.buckets],
+        }
+
+    def to_markdown(self) -> str:
+        t, ref = self.tolerance, self.reference
+        passed = sum(b.passed for b in self.buckets)
+        lines = [
+            f"# Parity: {self.model} {self.version}",
+            "",
+            f"- Release: `{self.release}` (backend {self.backend}, dtype {self.dtype}"
+            + (", decode replayed as CUDA graphs" if self.cuda_graphs else "")
+            + ")",
+            f"- Reference: Hugging Face `{ref['model_class']}`, eager, {ref['dtype']} on "
+            f"{ref['device']}; weights: {ref['weights']}",
+            f"- Prompts: seeded (seed {self.seed}), per bucket of lengths 1, S/2 and S−N, "
+            f"filling its batch; N = {self.steps} decode steps, teacher-forced on the "
+            "reference's greedy tokens; plus N+1 free-running greedy tokens",
+            f"- Tolerances ({self.tolerance_dtype}): max relative logit error ≤ {t.max_rel:g} "
+            f"(|Δ| ÷ the row's max |reference logit|), top-1 agreement ≥ {t.min_top1:.0%}, "
+            "greedy tokens equal except after a near-tie (the reference's margin between the "
+            f"two tokens ≤ 2 × {t.max_rel:g} × max |logit|)",
+            "",
+            "| bucket | prompts | lengths | max abs | max rel | top-1 | greedy exact | result |",
+            "|---|---:|---|---:|---:|---:|---:|---|",
+        ]
+        for b in self.buckets:
+            lengths = ", ".join(map(str, b.prompt_lengths))
+            result = "pass" if b.passed else "**FAIL**"
+            lines.append(
+                f"| {b.bucket} | {b.prompts} | {lengths} | {b.max_abs:.3g} | {b.max_rel:.3g} "
+                f"| {b.top1:.1%} | {b.greedy_exact:.1%} | {result} |"
+            )
+        lines += [
+            "",
+            f"**{'PASS' if self.passed else 'FAIL'}**: {passed}/{len(self.buckets)} "
+            "buckets within tolerance.",
+        ]
+        failed = [b for b in self.buckets if not b.passed]
+        if failed:
+            lines += [""] + [f"- {b.bucket}: {'; '.join(b.failures)}" for b in failed]
+        return "\n".join(lines) + "\n"
+
+    def write_markdown(self, path: Path) -> None:
+        atomic_write_text(Path(path), self.to_markdown())
+
+
+def check_release(
+    path: Path | str,
+    *,
+    reference: str = "auto",
+    steps: int = DEFAULT_STEPS,
+    seed: int = 0,
+    checkpoint: Path | None = None,
+    buckets: Sequence[str] = (),
+    cuda_graphs: bool = True,
+    on_bucket: Callable[[BucketParity], None] | None = None,
+) -> ParityReport:
+    """Run every bucket (or ``buckets``) of the release at ``path`` against the reference."""
+    import torch
+
+    if steps < 1:
+        raise InputError("--steps", f"must be ≥ 1, got {steps}", None)
+    release_dir = resolve_release(Path(path))
+    manifest = _read_manifest(release_dir)
+    names = _bucket_names(manifest, buckets)
+    device = reference_device(reference)
+    runner_cls = RUNNERS.get(manifest.backend)
+    if runner_cls is None:
+        raise RuntimeMismatchError(
+            f"release {manifest.model} {manifest.version}",
+            f"backend '{manifest.backend}' has no runner",
+            f"runners: {', '.join(sorted(RUNNERS))}",
+        )
+    verify_files(release_dir, manifest, names)
+    runner = runner_cls(release_dir, manifest, cuda_graphs=cuda_graphs)
+    ref = Reference(release_dir, manifest, device, checkpoint)
+    tol_dtype = tolerance_dtype(manifest)
+    tol = TOLERANCES[tol_dtype]
+    results = []
+    with torch.no_grad():
+        for name in names:
+            result = _check_bucket(runner.session(name), ref, name, tol, steps, seed)
+            results.append(result)
+            if on_bucket:
+                on_bucket(result)
+    graphed = cuda_graphs and getattr(runner, "device", None) == "cuda"
+    return ParityReport(
+        release=str(release_dir),
+        model=manifest.model,
+        version=manifest.version,
+        backend=manifest.backend,
+        dtype=manifest.dtype,
+        tolerance_dtype=tol_dtype,
+        tolerance=tol,
+        reference=ref.describe(),
+        steps=steps,
+        seed=seed,
+        cuda_graphs=graphed,
+        buckets=results,
+    )
+
+
+# --- one bucket ---------------------------------------------------------------------------
+
+
+def prompt_lengths(seq: int, steps: int) -> list[int]:
+    """1, about half the bucket, and the longest prompt that leaves room for ``steps``."""
+    longest = max(1, seq - steps)
+    return sorted({1, min(max(1, seq // 2), longest), longest})
+
+
+def make_prompts(
+    bucket: str, batch: int, seq: int, steps: int, vocab: int, seed: int
+) -> Iterator[list[list[int]]]:
+    """Batches of ``batch`` seeded prompts whose lengths cycle through ``prompt_lengths``;
+    enough batches that every length appears."""
+    import torch
+
+    lengths = prompt_lengths(seq, steps)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(bucket))
+    low = 3 if vocab > 3 else 0  # keep clear of the usual pad/bos/eos ids
+    for first in range(0, len(lengths), batch):
+        rows = [lengths[(first + i) % len(lengths)] for i in range(batch)]
+        yield [torch.randint(low, vocab, (n,), generator=g).tolist() for n in rows]
+
+
+def _check_bucket(
+    run: BucketRunner, ref: Reference, name: str, tol: Tolerance, steps: int, seed: int
+) -> BucketParity:
+    import torch
+
+    steps = min(steps, run.seq - 1)
+    out = BucketParity(name, prompt_lengths(run.seq, steps))
+    agree = exact = 0
+    for prompts in make_prompts(name, run.batch, run.seq, steps, ref.vocab, seed):
+        expected = [ref.greedy(p, steps) for p in prompts]  # (tokens [N+1], logits [N+1, V])
+        ref_tokens = torch.tensor([t for t, _ in expected])  # [B, N+1]
+        ref_logits = torch.stack([lg for _, lg in expected])  # [B, N+1, V]
+        tokens = torch.zeros((run.batch, run.seq), dtype=torch.int64)
+        for row, p in enumerate(prompts):
+            tokens[row, : len(p)] = torch.tensor(p)
+        lengths = torch.tensor([len(p) for p in prompts])
+        got = run.prefill(tokens, lengths)
+        for k in range(steps + 1):
+            if k:  # teacher-forced: the reference's token k-1, at position length + k - 1
+                got = run.decode(ref_tokens[:, k - 1 : k], lengths + k - 1)
+            actual = got.float().cpu()
+            want = ref_logits[:, k]
+            err = (actual - want).abs().amax(-1)
+            out.max_abs = _worst(out.max_abs, err.max().item())
+            out.max_rel = _worst(out.max_rel, (err / _scale(want)).max().item())
+            agree += int((actual.argmax(-1) == want.argmax(-1)).sum())
+            out.rows += len(prompts)
+        free = run.generate(prompts, steps + 1, None)
+        for row, tokens_ in enumerate(free):
+            verdict = _greedy_verdict(tokens_, expected[row], tol)
+            exact += verdict == "exact"
+            out.greedy_near_ties += verdict == "near-tie"
+            out.greedy_decisive += verdict == "decisive"
+        out.prompts += len(prompts)
+    out.top1 = agree / out.rows
+    out.greedy_exact = exact / out.prompts
+    out.failures = _failures(out, tol)
+    return out
+
+
+def _greedy_verdict(got: list[int], expected: tuple[list[int], Any], tol: Tolerance) -> str:
+    """exact | near-tie (first divergence where the reference's own margin was within the
+    tolerance) | decisive."""
+    want, logits = expected
+    for k, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            row = logits[k]
+            margin = float(row[b] - row[a])
+            return "near-tie" if margin <= 2 * tol.max_rel * float(_scale(row)) else "decisive"
+    return "exact" if len(got) == len(want) else "decisive"
+
+
+def _failures(b: BucketParity, tol: Tolerance) -> list[str]:
+    failures = []
+    if not b.max_rel <= tol.max_rel:  # also catches NaN
+        failures.append(f"max relative logit error {b.max_rel:.3g} > {tol.max_rel:g}")
+    if b.top1 < tol.min_top1:
+        failures.append(f"top-1 agreement {b.top1:.1%} < {tol.min_top1:.0%}")
+    if b.greedy_decisive:
+        failures.append(
+            f"{b.greedy_decisive} of {b.prompts} prompts' greedy tokens diverge from the "
+            "reference where it was not near a tie"
+        )
+    return failures
+
+
+def _scale(logits: Any) -> Any:
+    return logits.abs().amax(-1).clamp_min(1e-12)
+
+
+def _stable_hash(text: str) -> int:
+    return sum((i + 1) * ord(c) for i, c in enumerate(text)) % 1_000_003
+
+
+# --- the reference ------------------------------------------------------------------------
+
+
+class Reference:
+    """The eager Hugging Face model in fp32 (see the module docstring for its weights)."""
+
+    def __init__(
+        self, release_dir: Path, manifest: Manifest, device: str, checkpoint: Path | None
+    ) -> None:
+        self.release_dir = release_dir
+        self.manifest = manifest
+        self.device = device
+        self.checkpoint = Path(checkpoint) if checkpoint else None
+        if self.checkpoint is not None:
+            check_checkpoint(self.checkpoint, release_dir, manifest)
+        config = json.loads((release_dir / "config.json").read_text())
+        self.vocab = int(config["vocab_size"])
+        self._model: Any = None
+
+    def describe(self) -> dict[str, str]:
+        if self.checkpoint is not None:
+            weights = f"checkpoint `{self.checkpoint}` (weights digest matches the manifest)"
+        else:
+            weights = "the release's weights.safetensors, GQA padding undone, upcast"
+        model = self._model
+        name = type(model).__name__ if model is not None else "?"
+        return {"model_class": name, "dtype": "float32", "device": self.device, "weights": weights}
+
+    def greedy(self, prompt: list[int], steps: int) -> tuple[list[int], Any]:
+        """``steps + 1`` greedy tokens after ``prompt`` and the fp32 logits that chose each
+        ([steps + 1, V] on the CPU).
+
+        Each step reruns the whole sequence (no cache to get wrong, and no dependence on the
+        cache API of the installed transformers), and projects only the last position, so
+        the vocabulary-sized logits are never materialised for the whole prompt."""
+        import torch
+
+        model = self.model()
+        body, head = model.get_decoder(), model.get_output_embeddings()
+        seq = list(prompt)
+        rows = []
+        for _ in range(steps + 1):
+            hidden = body(input_ids=torch.tensor([seq], device=self.device)).last_hidden_state
+            rows.append(head(hidden[0, -1]).float())
+            seq.append(int(rows[-1].argmax()))
+        return seq[len(prompt) :], torch.stack(rows).cpu()
+
+    def model(self) -> Any:
+        if self._model is None:
+            self._model = self._load().to(self.device).eval()
+        return self._model
+
+    def _load(self) -> Any:
+        import torch
+        import transformers
+
+        transformers.logging.disable_progress_bar()  # a report, not a download
+        auto = transformers.AutoModelForCausalLM
+        if self.checkpoint is not None:
+            return auto.from_pretrained(self.checkpoint, dtype=torch.float32)
+        config = transformers.AutoConfig.from_pretrained(self.release_dir)
+        state = release_state_dict(self.release_dir, self.manifest)
+        # The concrete class: only it loads from a state dict without a checkpoint path.
+        model_class = auto._model_mapping[type(config)]
+        return model_class.from_pretrained(
+            None, config=config, state_dict=state, dtype=torch.float32
+        )
+
+
+def check_checkpoint(checkpoint: Path, release_dir: Path, manifest: Manifest) -> None:
+    """The checkpoint must be the one the release was compiled from: same weights digest,
+    same config.json (as JSON)."""
+    from pipeline.compile.keys import digest, model_config_digest, weights_digest
+
+    found = weights_digest(checkpoint)
+    if found != manifest.weights_digest:
+        raise InputError(
+            f"--checkpoint {checkpoint}",
+            f"weights digest {found[:12]} differs from the release's "
+            f"{manifest.weights_digest[:12]}",
+            "pass the checkpoint this release was compiled from",
+        )
+    config = release_dir / "config.json"
+    if config.is_file() and model_config_digest(checkpoint) != digest(
+        json.loads(config.read_text())
+    ):
+        raise InputError(
+            f"--checkpoint {checkpoint}",
+            "its config.json differs from the release's",
+            "pass the checkpoint this release was compiled from",
+        )
+
+
+_ATTN = re.compile(r"\.self_attn\.([qkvo])_proj\.(weight|bias)$")
+
+
+def release_state_dict(release_dir: Path, manifest: Manifest) -> dict[str, Any]:
+    """A bucket's weights.safetensors as the original model's fp32 state dict: the GQA head
+    padding undone (each original head taken from the first slot that holds it)."""
+    from safetensors.torch import load_file
+
+    from pipeline.checkpoint import read_shape
+    from pipeline.gqa import GqaPlan
+
+    name = sorted(manifest.buckets)[0]
+    if not any(ref.path == WEIGHTS_FILE for ref in manifest.buckets[name].files):
+        raise InputError(
+            f"release {manifest.model} {manifest.version}",
+            f"its buckets carry no {WEIGHTS_FILE} to rebuild the reference from",
+            "pass --checkpoint DIR, the checkpoint the release was compiled from",
+        )
+    shape = read_shape(release_dir)
+    plan = GqaPlan(**manifest.gqa)
+    state = load_file(str(release_dir / BUCKETS / name / WEIGHTS_FILE))
+    state.pop("rope_inv_freq", None)  # the compiled graphs' own buffer, not Hugging Face's
+    return {k: _unpad(k, v, shape.head_dim, plan).float() for k, v in state.items()}
+
+
+def _unpad(name: str, tensor: Any, head_dim: int, plan: Any) -> Any:
+    import torch
+
+    m = _ATTN.search(name)
+    if not m or (m.group(1) == "o" and m.group(2) == "bias"):
+        return tensor
+    proj = m.group(1)
+    dim = 1 if proj == "o" else 0
+    q_side = proj in ("q", "o")
+    sources = plan.q_slot_sources() if q_side else plan.kv_slot_sources()
+    heads = plan.q_heads if q_side else plan.kv_heads
+    size = tensor.shape[dim]
+    if size == heads * head_dim:
+        return tensor  # not padded (tp 1, or heads already divide)
+    if size != len(sources) * head_dim:
+        raise IntegrityError(
+            name,
+            f"{size} rows/columns fit neither {heads} heads nor the plan's {len(sources)} slots",
+            "the weights do not match the manifest's GQA plan",
+        )
+    slots = [sources.index(h) for h in range(heads)]
+    return torch.cat([tensor.narrow(dim, s * head_dim, head_dim) for s in slots], dim=dim)
+
+
+# --- release checks -----------------------------------------------------------------------
+
+
+def reference_device(reference: str) -> str:
+    import torch
+
+    if reference not in ("auto", "cpu", "cuda"):
+        raise InputError("--reference", f"unknown device '{reference}'", "use auto, cpu or cuda")
+    if reference == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if reference == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailableError(
+            "--reference cuda",
+            "no CUDA GPU visible (torch.cuda.is_available() is False)",
+            "use --reference cpu",
+        )
+    return reference
+
+
+def tolerance_dtype(manifest: Manifest) -> str:
+    """The release's dtype, or Neuron's lower auto-cast precision where that is looser."""
+    dtype = manifest.dtype if manifest.dtype in TOLERANCES else "float32"
+    if manifest.backend == "neuron":
+        cast = AUTO_CAST_DTYPES.get(manifest.auto_cast_type, dtype)
+        if TOLERANCES[cast].max_rel > TOLERANCES[dtype].max_rel:
+            return cast
+    return dtype
+
+
+def verify_files(release_dir: Path, manifest: Manifest, buckets: Sequence[str]) -> None:
+    """Every release-wide file and every file of ``buckets`` against the manifest's sha256
+    (hard links to one blob are hashed once)."""
+    seen: dict[tuple[int, int, int], str] = {}
+    for rel, ref in release_files(manifest):
+        parts = rel.parts
+        if parts[0] == BUCKETS and parts[1] not in buckets:
+            continue
+        path = release_dir / rel
+        if not path.is_file():
+            raise IntegrityError(str(path), "missing", "pull the release again")
+        st = path.stat()
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        if key not in seen:
+            seen[key] = sha256_file(path)
+        if seen[key] != ref.sha256:  # type: ignore[attr-defined]
+            raise IntegrityError(
+                str(path),
+                f"sha256 {seen[key][:12]} differs from the manifest's {ref.sha256[:12]}",  # type: ignore[attr-defined]
+                "the install is damaged; pull the release again",
+            )
+
+
+def _read_manifest(release_dir: Path) -> Manifest:
+    try:
+        return Manifest.model_validate_json((release_dir / MANIFEST).read_bytes())
+    except ValueError as e:
+        raise InputError(
+            str(release_dir / MANIFEST), f"not a release manifest: {e}", "pull the release again"
+        ) from None
+
+
+def _bucket_names(manifest: Manifest, wanted: Sequence[str]) -> list[str]:
+    names = sorted(
+        manifest.buckets, key=lambda n: (manifest.buckets[n].batch, manifest.buckets[n].seq)
+    )
+    unknown = [w for w in wanted if w not in manifest.buckets]
+    if unknown:
+        raise InputError(
+            f"--bucket {unknown[0]}", "not a bucket of this release", f"buckets: {', '.join(names)}"
+        )
+    return [n for n in names if not wanted or n in wanted]
+
+
+def _worst(a: float, b: float) -> float:
+    """max() that keeps a NaN (a NaN error must fail, never vanish)."""
+    return b if math.isnan(b) or b > a else a

@@ -1,0 +1,71 @@
+"""A cheap compile backend for scheduling, cache and shard tests (no torch, milliseconds).
+
+It runs in the real worker processes, so timeouts, crashes and kills are real. What each
+bucket does comes from the environment (inherited by the workers), never from the config,
+so behaviours do not change cache keys:
+
+    FAKE_COMPILE        JSON {bucket name: "fail" | "crash" | "hang" | "sleep:SECONDS"}
+    FAKE_COMPILE_TRACE  a directory; each compile writes <bucket>.json there with its pid,
+                        start and end times (end only when it returns)
+    FAKE_PREPARE        "fail": the once-per-run prepare step raises
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from pipeline.compile.backends import register, unregister
+from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
+
+NAME = "fake"
+
+
+class FakeBackend(Backend):
+    name = NAME
+    wants_padded_checkpoint = False
+
+    def versions(self) -> dict[str, str]:
+        return {"fake-compiler": "1.0"}
+
+    def prepare(self, model_dir: Path, dtype: str, out_dir: Path) -> dict[str, Path]:
+        if os.environ.get("FAKE_PREPARE") == "fail":
+            raise RuntimeError("fake prepare error")
+        path = out_dir / "weights.bin"
+        path.write_text(f"weights of {model_dir.name} in {dtype}\n")
+        return {"weights.bin": path}
+
+    def compile(self, job: BucketJob) -> BucketOutput:
+        name = job.bucket.name
+        behaviour = json.loads(os.environ.get("FAKE_COMPILE", "{}")).get(name, "ok")
+        trace = os.environ.get("FAKE_COMPILE_TRACE")
+        record = {"pid": os.getpid(), "start": time.time()}
+        if trace:
+            Path(trace, f"{name}.json").write_text(json.dumps(record))
+        print(f"fake compile {name}: {behaviour}", flush=True)
+        if behaviour == "fail":
+            raise RuntimeError(f"fake compiler error in {name}")
+        if behaviour == "crash":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if behaviour == "hang":
+            time.sleep(3600)
+        if behaviour.startswith("sleep:"):
+            time.sleep(float(behaviour.split(":", 1)[1]))
+        graph = job.out_dir / "graph.bin"
+        graph.write_text(f"{name} {job.dtype} tp{job.tp} {' '.join(job.flags)}\n")
+        weights = job.out_dir / "weights.bin"
+        os.link(job.shared["weights.bin"], weights)
+        if trace:
+            Path(trace, f"{name}.json").write_text(json.dumps({**record, "end": time.time()}))
+        return BucketOutput(files={"graph.bin": graph, "weights.bin": weights}, meta={"fake": 1})
+
+
+def install() -> None:
+    register(NAME, FakeBackend)
+
+
+def uninstall() -> None:
+    unregister(NAME)

@@ -1,0 +1,338 @@
+"""The compile stage's scheduling, cache and shards, with the fake backend in real workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.compile.runner import compile_release
+from pipeline.compile.shards import split
+from pipeline.config import load_config
+from pipeline.store import open_store
+from pipeline.store.cache import read_cache_entry
+from tests import compile_fakes
+
+REPO = Path(__file__).resolve().parent.parent
+GRID = "batch_sizes: [1, 2]\n  sequence_lengths: [32, 64]"
+CONFIG = """
+model:
+  name: tiny
+  checkpoint: {ckpt}
+  dtype: float32
+target:
+  backend: cpu
+buckets:
+  {grid}
+compiler:
+  timeout_s: 60
+store: store
+"""
+# Runs the CLI with the fake backend registered, as a separate process.
+DRIVER = "import sys; from tests import compile_fakes; compile_fakes.install(); " + (
+    "from pipeline.cli import main; sys.argv[0] = 'inf2-pipeline'; main()"
+)
+
+
+@pytest.fixture(autouse=True)
+def fake_backend(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default workdir (work/compile/<model>) lands here
+    compile_fakes.install()
+    yield
+    compile_fakes.uninstall()
+
+
+@pytest.fixture
+def config(write_config):
+    return write_config(CONFIG.replace("{grid}", GRID))
+
+
+def run(config: Path, **kw):
+    release = load_config(config)
+    kw.setdefault("workdir", config.parent / "work")
+    return compile_release(release, backend="fake", **kw)
+
+
+def statuses(report) -> dict[str, str]:
+    return {r.bucket.name: r.status for r in report.results}
+
+
+def entries(store_dir: Path) -> dict[str, dict[str, str]]:
+    """bucket -> {file: sha256} of every cache entry, compile logs left out (they hold times)."""
+    store = open_store(str(store_dir))
+    out = {}
+    for key in store.list("cache/"):
+        entry = read_cache_entry(store, Path(key).stem)
+        out[entry.bucket] = {f.path: f.sha256 for f in entry.files if f.path != "compile.log"}
+    return out
+
+
+def test_rerun_of_an_unchanged_config_compiles_nothing(config):
+    first = run(config)
+    assert set(statuses(first).values()) == {"compiled"}
+    assert [r.bucket.name for r in first.results] == ["b2_s64", "b1_s64", "b2_s32", "b1_s32"]
+    second = run(config)
+    assert set(statuses(second).values()) == {"cached"}
+    assert [r.files for r in second.results] == [r.files for r in first.results]
+    assert len(entries(config.parent / "store")) == 4
+
+
+def test_changing_one_bucket_recompiles_exactly_that_bucket(write_config):
+    cfg = write_config(CONFIG.replace("{grid}", "batch_sizes: [1]\n  sequence_lengths: [32, 64]"))
+    run(cfg)
+    cfg.write_text(cfg.read_text().replace("[32, 64]", "[32, 96]"))
+    assert statuses(run(cfg)) == {"b1_s96": "compiled", "b1_s32": "cached"}
+
+
+def test_one_failure_does_not_stop_the_others(config, monkeypatch):
+    monkeypatch.setenv("FAKE_COMPILE", json.dumps({"b2_s32": "fail"}))
+    report = run(config, jobs=2)
+    assert statuses(report) == {
+        "b2_s64": "compiled",
+        "b1_s64": "compiled",
+        "b2_s32": "failed",
+        "b1_s32": "compiled",
+    }
+    (failed,) = report.failed
+    assert failed.error == "RuntimeError: fake compiler error in b2_s32"
+    assert "fake compiler error" in failed.log.read_text()
+    assert "b2_s32" not in entries(config.parent / "store")
+    monkeypatch.delenv("FAKE_COMPILE")
+    assert statuses(run(config))["b2_s32"] == "compiled"
+    assert list(statuses(run(config)).values()) == ["cached"] * 4
+
+
+def test_a_failed_prepare_fails_every_miss_and_is_retried_next_run(config, monkeypatch):
+    monkeypatch.setenv("FAKE_PREPARE", "fail")
+    report = run(config)
+    assert set(statuses(report).values()) == {"failed"}
+    assert report.failed[0].error.startswith("prepare failed: RuntimeError: fake prepare error")
+    monkeypatch.delenv("FAKE_PREPARE")
+    assert set(statuses(run(config)).values()) == {"compiled"}
+
+
+def test_a_crashed_compiler_leaves_no_cache_entry(config, monkeypatch):
+    monkeypatch.setenv("FAKE_COMPILE", json.dumps({"b1_s64": "crash"}))
+    report = run(config)
+    (failed,) = report.failed
+    assert failed.bucket.name == "b1_s64" and failed.error.startswith("killed by signal SIGKILL")
+    assert set(entries(config.parent / "store")) == {"b2_s64", "b2_s32", "b1_s32"}
+
+
+def test_timeout_kills_the_compiler(config, monkeypatch, tmp_path):
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    monkeypatch.setenv("FAKE_COMPILE", json.dumps({"b2_s64": "hang"}))
+    monkeypatch.setenv("FAKE_COMPILE_TRACE", str(trace))
+    start = time.monotonic()
+    report = run(config, jobs=2, timeout_s=1.5)
+    assert time.monotonic() - start < 20
+    assert statuses(report)["b2_s64"] == "timeout"
+    assert report.failed[0].error == "timed out after 1.5s"
+    assert not _alive(json.loads((trace / "b2_s64.json").read_text())["pid"])
+    assert "b2_s64" not in entries(config.parent / "store")
+
+
+def test_jobs_compile_in_parallel_most_expensive_first(config, monkeypatch, tmp_path):
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    monkeypatch.setenv("FAKE_COMPILE", json.dumps(dict.fromkeys(_names(config), "sleep:1")))
+    monkeypatch.setenv("FAKE_COMPILE_TRACE", str(trace))
+    run(config, jobs=2)
+    spans = {p.stem: json.loads(p.read_text()) for p in trace.glob("*.json")}
+    order = sorted(spans, key=lambda n: spans[n]["start"])
+    assert set(order[:2]) == {"b2_s64", "b1_s64"}
+    most = max(sum(s["start"] <= t < s["end"] for s in spans.values()) for t in _starts(spans))
+    assert most == 2
+
+
+def test_shards_in_two_processes_make_the_same_entries_as_one(config, tmp_path):
+    run(config, store=str(tmp_path / "one"))
+    shared = tmp_path / "shared"
+    cmd = [sys.executable, "-c", DRIVER, "compile", str(config), "--backend", "fake"]
+    procs = [
+        subprocess.Popen(
+            [
+                *cmd,
+                "--shard",
+                f"{i}/2",
+                "--store",
+                str(shared),
+                "--workdir",
+                str(tmp_path / f"w{i}"),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for i in (0, 1)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err.decode()
+    assert entries(shared) == entries(tmp_path / "one")
+    assert len(entries(shared)) == 4
+
+
+def test_ctrl_c_stops_the_compilers_and_writes_no_entry(config, tmp_path):
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    env = {
+        **os.environ,
+        "FAKE_COMPILE": json.dumps(dict.fromkeys(_names(config), "hang")),
+        "FAKE_COMPILE_TRACE": str(trace),
+        "PYTHONPATH": str(REPO),
+    }
+    cmd = [sys.executable, "-c", DRIVER, "compile", str(config), "--backend", "fake", "-j", "2"]
+    cmd += ["--workdir", str(tmp_path / "work")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(trace.glob("*.json"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [json.loads(p.read_text())["pid"] for p in trace.glob("*.json")]
+    assert len(pids) == 2
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert "b2_s64 interrupted" in err and "b1_s64 interrupted" in err
+    assert not any(_alive(pid) for pid in pids)
+    assert entries(config.parent / "store") == {}
+
+
+def test_interrupt_between_blobs_and_entry_leaves_no_entry(config, monkeypatch):
+    from pipeline.compile import runner
+
+    real, calls = runner._write_entry, []
+
+    def interrupted_on_second(store, entry):
+        calls.append(entry.bucket)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # after this bucket's blobs went up, before its entry
+        real(store, entry)
+
+    monkeypatch.setattr(runner, "_write_entry", interrupted_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        run(config)
+    store_dir = config.parent / "store"
+    assert set(entries(store_dir)) == {calls[0]}
+    assert all(
+        (store_dir / "blobs" / "sha256" / sha).is_file()
+        for sha in entries(store_dir)[calls[0]].values()
+    )
+    monkeypatch.setattr(runner, "_write_entry", real)
+    assert sorted(statuses(run(config)).values()) == ["cached"] + ["compiled"] * 3
+
+
+def test_plain_lines_in_ci_and_a_bar_on_a_terminal(monkeypatch):
+    from pipeline.compile import progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.delenv("CI", raising=False)
+    assert isinstance(progress.make_progress(4), progress.BarProgress)
+    monkeypatch.setenv("CI", "true")
+    assert isinstance(progress.make_progress(4), progress.PlainProgress)
+
+
+def test_download_fetches_cache_hits_into_the_workdir(config, tmp_path):
+    run(config)
+    work = tmp_path / "elsewhere"
+    report = run(config, workdir=work, download=True)
+    assert set(statuses(report).values()) == {"cached"}
+    graph = work / "buckets" / "b1_s32" / "graph.bin"
+    assert graph.read_text().startswith("b1_s32 float32")
+
+
+# --- the CLI -----------------------------------------------------------------------------
+
+cli = CliRunner()
+
+
+def test_cli_reports_failed_buckets_by_name_and_exits_1(config, monkeypatch):
+    monkeypatch.setenv("FAKE_COMPILE", json.dumps({"b1_s32": "fail"}))
+    r = cli.invoke(app, ["compile", str(config), "--backend", "fake", "--json"])
+    assert r.exit_code == 1
+    data = json.loads(r.stdout)
+    assert data["failed"] == ["b1_s32"] and data["counts"] == {"compiled": 3, "failed": 1}
+    assert {b["bucket"]: b["cache_hit"] for b in data["buckets"]}["b1_s32"] is False
+    assert "error: compile tiny: 1 of 4 buckets failed: b1_s32 (failed)" in r.stderr
+    assert "[4/4]" in r.stderr  # plain progress lines, not a bar, outside a terminal
+
+
+def test_cli_summary_table_shows_cache_hits(config):
+    cli.invoke(app, ["compile", str(config), "--backend", "fake"])
+    r = cli.invoke(app, ["compile", str(config), "--backend", "fake"])
+    assert r.exit_code == 0, r.output
+    assert "b2_s64" in r.stdout and "cached" in r.stdout and "yes" in r.stdout
+
+
+def test_cli_shard_count_takes_the_index_from_job_completion_index(config, monkeypatch):
+    monkeypatch.setenv("JOB_COMPLETION_INDEX", "1")
+    r = cli.invoke(app, ["compile", str(config), "--backend", "fake", "--shard-count", "2"])
+    assert r.exit_code == 0, r.output
+    r = cli.invoke(
+        app, ["compile", str(config), "--backend", "fake", "--shard-count", "2", "--json"]
+    )
+    data = json.loads(r.stdout)
+    expected = [b.name for b in split(load_config(config).buckets, 2)[1]]
+    assert data["shard"] == "1/2" and [b["bucket"] for b in data["buckets"]] == expected
+
+
+def test_cli_release_compiles_then_publishes_once(config, tmp_path):
+    store = tmp_path / "released"
+    args = ["release", str(config), "--backend", "fake", "--store", str(store), "--json"]
+    r = cli.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["compile"]["counts"] == {"compiled": 4}
+    assert data["publish"]["created"] is True
+    version = data["publish"]["version"]
+    assert (store / "models" / "tiny" / "releases" / f"{version}.json").is_file()
+    again = json.loads(cli.invoke(app, args).stdout)
+    assert again["compile"]["counts"] == {"cached": 4}
+    assert again["publish"]["version"] == version and again["publish"]["created"] is False
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "msg"),
+    [
+        (["--shard-count", "2"], {}, "JOB_COMPLETION_INDEX is unset"),
+        (["--shard", "2/2"], {}, "index must be in 0..count-1"),
+        (["--shard", "one/2"], {}, "not of the form I/N"),
+        (["--backend", "tpu"], {}, "backend 'tpu': unknown"),
+        (["--jobs", "0"], {}, "--jobs"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(config, monkeypatch, args, env, msg):
+    monkeypatch.delenv("JOB_COMPLETION_INDEX", raising=False)
+    r = cli.invoke(app, ["compile", str(config), *args])
+    assert r.exit_code == 2
+    assert msg in r.stderr and "Traceback" not in r.output
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+
+def _names(config: Path) -> list[str]:
+    return [b.name for b in load_config(config).buckets]
+
+
+def _starts(spans: dict) -> list[float]:
+    return [s["start"] for s in spans.values()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes; only a running process counts.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"

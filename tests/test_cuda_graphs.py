@@ -1,0 +1,137 @@
+"""CUDA-graph decode: the copy-in / replay / read-out logic of ``StaticGraph`` and its wiring
+into ``DecodeSession``, tested on CPU with a recorder that replays the way a CUDA graph does
+(same output tensor, recomputed from the graph-owned inputs); and on a GPU for real."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.cuda_graphs import StaticGraph
+
+
+class ReplayRecorder:
+    """Stands in for CUDA graph capture: warm up, record once, and on replay recompute
+    ``fn`` (which reads the graph-owned inputs) into the recorded output tensor."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, fn, warmup):
+        def counted():
+            self.calls += 1
+            return fn()
+
+        for _ in range(warmup):
+            counted()
+        out = counted()
+        return (lambda: out.copy_(counted())), out
+
+
+def test_static_graph_copies_inputs_in_and_reads_the_recorded_output():
+    acc = torch.tensor([100.0, 200.0])  # fixed: captured by address, like a KV cache
+    recorder = ReplayRecorder()
+    graph = StaticGraph(
+        lambda x, y, a: x * 2 + y + a,
+        (torch.empty(2), torch.empty(2)),
+        (acc,),
+        recorder=recorder,
+        warmup=2,
+    )
+    assert recorder.calls == 3  # two warmups and the capture, before any input is given
+    x, y = torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])
+    first = graph(x, y)
+    assert first.tolist() == [112.0, 224.0]
+    x.add_(1000)  # the caller's tensor is not the graph's: changing it changes nothing
+    assert graph.inputs[0].tolist() == [1.0, 2.0]
+    acc.add_(1)  # a fixed tensor is read at replay time
+    second = graph(torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0]))
+    assert second is first  # always the one recorded output, overwritten in place
+    assert second.tolist() == [107.0, 209.0]
+    assert recorder.calls == 5  # one replay per call, no extra eager call
+
+
+def test_static_graph_refuses_inputs_of_another_shape_or_dtype():
+    graph = StaticGraph(
+        lambda t: t + 1, (torch.zeros(2, 1, dtype=torch.int64),), recorder=ReplayRecorder()
+    )
+    with pytest.raises(ValueError, match="does not match"):
+        graph(torch.zeros(2, dtype=torch.int64))  # [B] where [B, 1] was recorded
+    with pytest.raises(ValueError, match="does not match"):
+        graph(torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="expected 1 inputs"):
+        graph(torch.zeros(2, 1, dtype=torch.int64), torch.zeros(1))
+
+
+@pytest.fixture(scope="module")
+def demo_buckets(compiled_store):
+    config, _ = compiled_store
+    return config.parent / "work" / "buckets"
+
+
+def test_recorded_decode_session_equals_direct_calls_on_the_compiled_demo(demo_buckets):
+    """The session records decode before any prefill, on its own caches; a replayed decode
+    gives the same logits and tokens as direct calls (wired wrong — another cache, a capture
+    after prefill whose warmup overwrites position 0, inputs not copied — it would not)."""
+    from pipeline.decode_session import DecodeSession
+    from pipeline.graph_abi import BucketGraphs
+
+    graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
+    plain = DecodeSession(graphs)
+    recorded = DecodeSession(graphs, recorder=ReplayRecorder())
+    assert recorded.graphed and not plain.graphed
+    assert recorded.k_cache.data_ptr() != plain.k_cache.data_ptr()
+    prompts = [[5, 17, 42, 99, 7, 300], list(range(3, 40))]
+    assert recorded.generate(prompts, 12, None) == plain.generate(prompts, 12, None)
+
+    tokens = torch.zeros((2, 64), dtype=torch.int64)
+    tokens[0, :3], tokens[1, :5] = torch.tensor([1, 2, 3]), torch.tensor([9, 8, 7, 6, 5])
+    lengths = torch.tensor([3, 5])
+    for session in (plain, recorded):
+        session.prefill(tokens, lengths)
+    step = torch.tensor([[11], [12]])
+    for k in range(3):
+        a = plain.decode(step, lengths + k).clone()
+        b = recorded.decode(step, lengths + k)
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_generate_stops_at_eos_like_a_step_by_step_loop(demo_buckets):
+    from pipeline.decode_session import DecodeSession
+    from pipeline.graph_abi import BucketGraphs
+
+    session = DecodeSession(BucketGraphs(demo_buckets / "b2_s64"))
+    prompts = [[5, 17, 42], [9, 9, 9, 9]]
+    free = session.generate(prompts, 10, None)
+    eos = free[0][3]  # a token the first row emits at step 4
+    stopped = session.generate(prompts, 10, eos)
+    for full, cut in zip(free, stopped, strict=True):
+        assert cut == (full[: full.index(eos) + 1] if eos in full else full)
+    with pytest.raises(ValueError, match="must fit 64 cache positions"):
+        session.generate([list(range(60))], 6, None)
+
+
+# --- on an NVIDIA GPU -----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_graph_decode_equals_non_graph_decode(compiled_cuda_release):
+    from pipeline.runtime import BucketedModel
+
+    graphed = BucketedModel.load(compiled_cuda_release)
+    plain = BucketedModel.load(compiled_cuda_release, cuda_graphs=False)
+    prompts = [[1, 17, 42, 99, 5, 7, 300, 12], list(range(10, 40))]
+    assert graphed.generate(prompts, 20, None) == plain.generate(prompts, 20, None)
+    bucket = graphed.select(2, 40)
+    a, b = plain.session(bucket), graphed.session(bucket)
+    assert b.graphed and not a.graphed
+    tokens = torch.zeros((bucket.batch, bucket.seq), dtype=torch.int64)
+    tokens[:, :4] = torch.tensor([3, 1, 4, 1])
+    lengths = torch.full((bucket.batch,), 4)
+    a.prefill(tokens, lengths)
+    b.prefill(tokens, lengths)
+    for k in range(5):
+        step = torch.full((bucket.batch, 1), 7 + k)
+        want = a.decode(step, lengths + k).clone()
+        torch.testing.assert_close(b.decode(step, lengths + k), want, rtol=1e-6, atol=1e-5)
