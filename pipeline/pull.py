@@ -116,12 +116,27 @@ def pull_release(
 
     staging = model_dir / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
-    todo = [(rel, ref) for rel, ref in files if not _verified(staging / rel, ref)]
-    reused = total - sum(ref.size for _, ref in todo)
+    # The same bytes under several paths (each bucket's weights.safetensors) download once.
+    have: dict[str, Path] = {}
+    fetching: set[str] = set()
+    fetch, copies = [], []
+    for rel, ref in files:
+        target = staging / rel
+        if _verified(target, ref):
+            have.setdefault(ref.sha256, target)
+        elif ref.sha256 in have or ref.sha256 in fetching:
+            copies.append((target, ref))
+        else:
+            fetch.append((target, ref))
+            fetching.add(ref.sha256)
+    reused = total - sum(ref.size for _, ref in fetch)
     fetcher = _Fetcher(store, concurrency, chunk_size)
     with byte_progress(f"pull {model} {version}", total) as progress:
         progress.advance(reused)
-        fetcher.fetch_all([(staging / rel, ref) for rel, ref in todo], progress)
+        fetcher.fetch_all(fetch, progress)
+    have.update({ref.sha256: target for target, ref in fetch})
+    for target, ref in copies:
+        _link_or_copy(have[ref.sha256], target)
     (staging / MANIFEST).write_bytes(raw)
     if final.exists():  # an earlier, different install under the same version name
         shutil.rmtree(final)
@@ -144,6 +159,18 @@ def _verified(path: Path, ref: FileRef) -> bool:
         return path.stat().st_size == ref.size and sha256_file(path) == ref.sha256
     except FileNotFoundError:
         return False
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    """A hard link where the filesystem allows (no extra disk), else a copy; atomic."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.incomplete")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dest)
 
 
 def _point_current(model_dir: Path, version: str) -> None:

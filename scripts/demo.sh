@@ -17,7 +17,7 @@ $CLI validate "$CONFIG"
 $CLI plan "$CONFIG"
 
 step "3. release: compile every bucket on cpu (GQA-padded for tp 4), then publish to artifacts/"
-$CLI release "$CONFIG" --json > artifacts/.demo-release.json
+$CLI release "$CONFIG" --jobs 2 --json > artifacts/.demo-release.json
 version=$($PY -c 'import json; print(json.load(open("artifacts/.demo-release.json"))["publish"]["version"])')
 echo "released tiny-llama $version"
 $CLI promote tiny-llama "$version" --channel demo --store artifacts

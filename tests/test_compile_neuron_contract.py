@@ -144,8 +144,8 @@ def test_neuron_contract_arguments_environment_and_outputs(sdk, config, tiny_che
         "neuron_config.json",
         "config.json",
         "checkpoint/weights/tp0_sharded_checkpoint.safetensors",
-        "compile.log",
     }
+    assert entry.meta["log"]["path"] == "compile.log" and entry.meta["log"]["size"] > 0
     assert entry.meta["versions"] == {"neuronx-cc": VERSION}
     assert entry.meta["key_material"]["versions"] == {"neuronx-cc": VERSION}
     log = result.log.read_text()

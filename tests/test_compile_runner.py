@@ -66,12 +66,12 @@ def statuses(report) -> dict[str, str]:
 
 
 def entries(store_dir: Path) -> dict[str, dict[str, str]]:
-    """bucket -> {file: sha256} of every cache entry, compile logs left out (they hold times)."""
+    """bucket -> {file: sha256} of every cache entry (logs are not entry files)."""
     store = open_store(str(store_dir))
     out = {}
     for key in store.list("cache/"):
         entry = read_cache_entry(store, Path(key).stem)
-        out[entry.bucket] = {f.path: f.sha256 for f in entry.files if f.path != "compile.log"}
+        out[entry.bucket] = {f.path: f.sha256 for f in entry.files}
     return out
 
 

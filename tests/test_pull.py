@@ -172,6 +172,19 @@ def test_resume_after_sigkill_mid_download(store, tmp_path):
     assert m.version == "v1"
 
 
+def test_identical_files_in_several_buckets_download_once(store, tmp_path):
+    weights = os.urandom(50_000)
+    buckets = {
+        name: {"weights.safetensors": weights, "graph.pt2": os.urandom(100)}
+        for name in ("b1_s32", "b2_s32", "b1_s64")
+    }
+    make_release(store, tmp_path, buckets=buckets)
+    r = pull_release(store, "m", tmp_path / "d", version="v1")
+    assert r.downloaded_bytes == len(weights) + 3 * 100 + len(b'{"model_type": "llama"}')
+    for name in buckets:
+        assert (r.path / "buckets" / name / "weights.safetensors").read_bytes() == weights
+
+
 def test_large_files_are_fetched_in_parallel_ranges(store, tmp_path):
     big = os.urandom(1_000_003)
     m = make_release(store, tmp_path, buckets={"b1_s32": {"weights.bin": big}})

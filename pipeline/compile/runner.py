@@ -44,7 +44,7 @@ from pipeline.store.blobs import FileRef, put_blob
 from pipeline.store.cache import CacheEntry, fetch_cache_entry, read_cache_entry
 from pipeline.store.cache import write_cache_entry as _write_entry
 
-LOG_FILE = "compile.log"  # each bucket's log, also kept in its cache entry
+LOG_FILE = "compile.log"  # each bucket's log; its blob is named in the entry's meta["log"]
 POLL_S = 0.05
 LOOKUP_THREADS = 16
 KILL_GRACE_S = 3.0
@@ -352,9 +352,13 @@ class _Scheduler:
             rel: final / Path(p).relative_to(job.out_dir) for rel, p in result["files"].items()
         }
         assert r.log is not None
-        files[LOG_FILE] = r.log
         refs = [self._put(path, rel) for rel, path in sorted(files.items())]
+        # The log is kept in the store but is not a release file: it holds times and pids,
+        # and release files must be the same bytes whichever machine compiled them.
+        log = self._put(r.log, LOG_FILE)
         meta = {
+            "model": self.release.name,
+            "log": log.model_dump(),
             "weights_digest": self.weights,
             "versions": self.versions,
             "key_material": r.material,
