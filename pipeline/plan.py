@@ -61,6 +61,21 @@ class ReleasePlan:
         }
 
 
+def release_gqa_plan(release: Release, shape: ModelShape | None = None) -> GqaPlan:
+    """The GQA plan of a release config: what compile applies and the manifest records."""
+    shape = shape or read_shape(release.checkpoint)
+    cfg = release.config
+    return plan_gqa(
+        shape.q_heads,
+        shape.kv_heads,
+        cfg.target.tp_degree,
+        cfg.target.gqa_strategy,
+        head_dim=shape.head_dim,
+        layers=shape.layers,
+        dtype_bytes=DTYPE_BYTES[cfg.model.dtype],
+    )
+
+
 def plan_release(release: Release) -> ReleasePlan:
     cfg = release.config
     shape = read_shape(release.checkpoint)
@@ -73,15 +88,7 @@ def plan_release(release: Release) -> ReleasePlan:
             f"use tp ≤ {instance.cores} or a larger instance",
         )
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
-    gqa = plan_gqa(
-        shape.q_heads,
-        shape.kv_heads,
-        tp,
-        cfg.target.gqa_strategy,
-        head_dim=shape.head_dim,
-        layers=shape.layers,
-        dtype_bytes=dtype_bytes,
-    )
+    gqa = release_gqa_plan(release, shape)
     weights, rows = bucket_memory(shape, gqa, release.buckets, dtype_bytes, instance.hbm_per_core)
     return ReleasePlan(
         release=release,

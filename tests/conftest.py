@@ -123,6 +123,23 @@ def compiled_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
 
 
 @pytest.fixture(scope="session")
+def installed(compiled_store, tmp_path_factory):
+    """The compiled demo release, published and pulled: (release, DEST/MODEL). Read-only:
+    tests that damage a release work on a copy."""
+    from pipeline.config import load_config
+    from pipeline.pull import pull_release
+    from pipeline.store import open_store
+    from pipeline.store.publish import publish_release
+
+    config, store_dir = compiled_store
+    release = load_config(config)
+    version = publish_release(release, version="v-installed").version
+    dest = tmp_path_factory.mktemp("models")
+    pull_release(open_store(str(store_dir)), release.name, dest, version=version)
+    return release, dest / release.name
+
+
+@pytest.fixture(scope="session")
 def compiled_cuda_release(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     """The demo release compiled for cuda, published and pulled, once per session: the
     installed release directory. GPU machines only (skips where torch sees no GPU)."""

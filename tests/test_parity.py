@@ -25,22 +25,6 @@ from pipeline.parity import (
 )
 
 
-@pytest.fixture(scope="module")
-def installed(compiled_store, tmp_path_factory):
-    """The demo release (compiled once per session): published, pulled."""
-    from pipeline.config import load_config
-    from pipeline.pull import pull_release
-    from pipeline.store import open_store
-    from pipeline.store.publish import publish_release
-
-    config, store_dir = compiled_store
-    release = load_config(config)
-    version = publish_release(release, version="v-parity").version
-    dest = tmp_path_factory.mktemp("models")
-    pull_release(open_store(str(store_dir)), release.name, dest, version=version)
-    return release, dest / release.name
-
-
 def parity(*args: str):
     return CliRunner().invoke(app, ["parity", *map(str, args)])
 

@@ -46,6 +46,27 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+def compile_shards(cfg: Path, tmp_path: Path, indices: list[int], count: int = 4) -> None:
+    """Each shard in its own process, all at once, as an Indexed Job's pods would run."""
+    procs = [
+        cli(
+            "compile",
+            str(cfg),
+            "--backend",
+            "fake",
+            "--shard",
+            f"{i}/{count}",
+            "--workdir",
+            str(tmp_path / f"w{i}"),
+            cwd=tmp_path,
+        )
+        for i in indices
+    ]
+    for proc in procs:
+        code, _, err = finish(proc)
+        assert code == 0, err
+
+
 def bucket_digests(store_url: str, model: str, version: str) -> dict[str, list[tuple]]:
     manifest = json.loads(open_store(store_url).get_bytes(release_key(model, version)))
     return {
@@ -61,23 +82,7 @@ def test_four_shard_processes_publish_the_same_release_as_one(tmp_path, tiny_che
     cfg_one = tmp_path / "one.yaml"
     cfg_one.write_text(CONFIG.format(ckpt=tiny_checkpoint, store=single))
 
-    shards = [
-        cli(
-            "compile",
-            str(cfg_fan),
-            "--backend",
-            "fake",
-            "--shard",
-            f"{i}/4",
-            "--workdir",
-            str(tmp_path / f"w{i}"),
-            cwd=tmp_path,
-        )
-        for i in range(4)
-    ]
-    for proc in shards:
-        code, _, err = finish(proc)
-        assert code == 0, err
+    compile_shards(cfg_fan, tmp_path, [0, 1, 2, 3])
     code, out, err = finish(
         cli(
             "publish",
@@ -120,22 +125,7 @@ def test_publish_names_the_missing_buckets_and_their_shard(tmp_path, tiny_checkp
     url = f"s3://{s3_bucket}/skipped"
     cfg = tmp_path / "fan.yaml"
     cfg.write_text(CONFIG.format(ckpt=tiny_checkpoint, store=url))
-    procs = [
-        cli(
-            "compile",
-            str(cfg),
-            "--backend",
-            "fake",
-            "--shard",
-            f"{i}/4",
-            "--workdir",
-            str(tmp_path / f"w{i}"),
-            cwd=tmp_path,
-        )
-        for i in (0, 1, 3)
-    ]  # shard 2 skipped
-    for proc in procs:
-        assert finish(proc)[0] == 0
+    compile_shards(cfg, tmp_path, [0, 1, 3])  # shard 2 never ran
     code, _, err = finish(
         cli("publish", str(cfg), "--backend", "fake", "--shard-count", "4", cwd=tmp_path)
     )

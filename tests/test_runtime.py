@@ -40,22 +40,6 @@ def test_select_prefers_fewer_padded_tokens_over_smaller_batch():
     assert select_bucket(grid, 5, 310) == Bucket(8, 320)
 
 
-@pytest.fixture(scope="module")
-def installed(compiled_store, tmp_path_factory):
-    """The demo release: compiled (session fixture) → published → pulled."""
-    from pipeline.config import load_config
-    from pipeline.pull import pull_release
-    from pipeline.store import open_store
-    from pipeline.store.publish import publish_release
-
-    config, store_dir = compiled_store
-    release = load_config(config)
-    version = publish_release(release, version="v-runtime").version
-    dest = tmp_path_factory.mktemp("models")
-    pull_release(open_store(str(store_dir)), release.name, dest, version=version)
-    return release, dest / release.name
-
-
 def _hf_greedy(checkpoint: Path, prompt: list[int], new: int) -> list[int]:
     import torch
     import transformers

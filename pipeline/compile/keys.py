@@ -15,10 +15,9 @@ from typing import Any
 
 from pipeline._files import atomic_write_text, sha256_file
 from pipeline.buckets import Bucket
-from pipeline.checkpoint import read_shape
-from pipeline.config import DTYPE_BYTES, Release
+from pipeline.config import Release
 from pipeline.errors import CheckpointError
-from pipeline.gqa import GqaPlan, plan_gqa
+from pipeline.plan import release_gqa_plan
 
 # Bump when what a backend writes for the same inputs changes (graph ABI, file layout).
 FORMAT_VERSION = 1
@@ -83,21 +82,6 @@ def model_config_digest(checkpoint: Path) -> str:
     except (OSError, ValueError) as e:
         raise CheckpointError(str(path), f"unreadable: {e}", None) from None
     return digest(data)
-
-
-def release_gqa_plan(release: Release) -> GqaPlan:
-    """The GQA plan the compile stage applies (no torch; from config.json alone)."""
-    shape = read_shape(release.checkpoint)
-    cfg = release.config
-    return plan_gqa(
-        shape.q_heads,
-        shape.kv_heads,
-        cfg.target.tp_degree,
-        cfg.target.gqa_strategy,
-        head_dim=shape.head_dim,
-        layers=shape.layers,
-        dtype_bytes=DTYPE_BYTES[cfg.model.dtype],
-    )
 
 
 def key_material(

@@ -29,15 +29,10 @@ from pipeline.buckets import Bucket
 from pipeline.compile import shards
 from pipeline.compile.backends import backend_path, get_backend, resolve_backend
 from pipeline.compile.backends.base import BucketJob
-from pipeline.compile.keys import (
-    digest,
-    key_material,
-    model_config_digest,
-    release_gqa_plan,
-    weights_digest,
-)
+from pipeline.compile.keys import digest, key_material, model_config_digest, weights_digest
 from pipeline.config import Release
 from pipeline.errors import InputError
+from pipeline.plan import release_gqa_plan
 from pipeline.store import open_store
 from pipeline.store.base import Store
 from pipeline.store.blobs import FileRef, put_blob

@@ -183,21 +183,10 @@ def build_manifest(
     weights_digest: str | None = None,
 ) -> Manifest:
     """The manifest of a release (version and creation time filled in by ``publish``)."""
-    from pipeline.checkpoint import read_shape
-    from pipeline.config import DTYPE_BYTES
-    from pipeline.gqa import plan_gqa
+    from pipeline.plan import release_gqa_plan
 
     cfg = release.config
-    shape = read_shape(release.checkpoint)
-    gqa = plan_gqa(
-        shape.q_heads,
-        shape.kv_heads,
-        cfg.target.tp_degree,
-        cfg.target.gqa_strategy,
-        head_dim=shape.head_dim,
-        layers=shape.layers,
-        dtype_bytes=DTYPE_BYTES[cfg.model.dtype],
-    )
+    gqa = release_gqa_plan(release)
     metas = [e.meta for e in entries.values()]
     digest = weights_digest or _agreed(metas, "weights_digest") or "unknown"
     versions: dict[str, str] = {}
