@@ -203,6 +203,7 @@ def test_ctrl_c_stops_the_compilers_and_writes_no_entry(config, tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130
     assert "b2_s64 interrupted" in err and "b1_s64 interrupted" in err
+    assert err.strip().splitlines()[-1] == "error: interrupted"
     assert not any(_alive(pid) for pid in pids)
     assert entries(config.parent / "store") == {}
 

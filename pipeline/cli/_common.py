@@ -35,6 +35,8 @@ class OneLineErrors(TyperGroup):
         debug = "--debug" in argv
         try:
             rv = super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
+            if rv == 130:  # Typer turns Ctrl-C into Exit(130) before we see KeyboardInterrupt
+                _fail("interrupted", 130)
             if isinstance(rv, int) and rv:  # non-standalone click returns typer.Exit's code
                 sys.exit(rv)
             return rv
