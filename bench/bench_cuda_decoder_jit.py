@@ -30,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline.compile.decoder import Decode, Prefill
 from pipeline.cuda_graphs import StaticGraph
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cuda_decode import copy_bandwidth, device_ms
+
 LLAMA_32_1B = dict(
     vocab_size=128256,
     hidden_size=2048,
@@ -49,26 +52,8 @@ def log(msg: str) -> None:
 
 
 def cuda_time(fn, reps: int) -> float:
-    """Mean seconds per call, CUDA events, after two warmup calls."""
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1000 / reps
-
-
-def copy_bandwidth(gib: float = 4.0) -> float:
-    """Bytes moved (read + write) per second by a device-to-device copy."""
-    n = int(gib * (1 << 30)) // 2
-    a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty_like(a)
-    t = cuda_time(lambda: b.copy_(a), 20)
-    return 2 * a.numel() * a.element_size() / t
+    """Mean seconds per call (CUDA events), as the AOT bench measures."""
+    return device_ms(fn, "cuda", reps) / 1e3
 
 
 def aoti_probe(workdir: Path) -> str:
@@ -114,7 +99,7 @@ def main() -> None:
         "transformers": transformers.__version__,
     }
     save = lambda: args.out.write_text(json.dumps(res, indent=2))  # noqa: E731
-    bw = copy_bandwidth()
+    bw = copy_bandwidth("cuda", 4 << 30)
     cfg = transformers.LlamaConfig(**LLAMA_32_1B)
     torch.manual_seed(0)
     with torch.device("cuda"):
