@@ -455,6 +455,7 @@ def main() -> None:
     import transformers
 
     from pipeline._files import atomic_write_text
+    from pipeline.compile.backends.aoti import cxx_identity
     from pipeline.runtime import BucketedModel
 
     shape = SHAPES[args.model]
@@ -468,6 +469,7 @@ def main() -> None:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),
+            "cxx": cxx_identity(),
         },
         "model": {"name": args.model, **asdict(shape)},
         "flags": flags,
@@ -582,7 +584,7 @@ def main() -> None:
         for d in (decode_dir, prefill_dir):
             try:
                 report = parity(d, ckpt, device)
-                keep = ("max_abs", "max_rel", "top1", "greedy_exact", "passed")
+                keep = ("max_abs", "max_rel", "top1", "top1_exact", "greedy_exact", "passed")
                 result["parity"][d.name] = {
                     "passed": report["passed"],
                     "tolerance": report["tolerance"],

@@ -73,6 +73,12 @@ class StaticGraph:
         """Copy ``values`` into the static inputs, replay, return the static output.
 
         The returned tensor is overwritten by the next call: clone it to keep it."""
+        self.load(*values)
+        self.replay()
+        return self.output
+
+    def load(self, *values: Tensor) -> None:
+        """Copy ``values`` into the static inputs (shapes and dtypes must match the capture)."""
         if len(values) != len(self.inputs):
             raise ValueError(f"expected {len(self.inputs)} inputs, got {len(values)}")
         for i, (dst, src) in enumerate(zip(self.inputs, values, strict=True)):
@@ -82,8 +88,11 @@ class StaticGraph:
                     f"{dst.dtype} {list(dst.shape)}"
                 )
             dst.copy_(src)
+
+    def replay(self) -> None:
+        """Run the recorded kernels on whatever the static inputs hold now (a step that
+        updates its own inputs, as a greedy decode step does, is replayed with no copies)."""
         self._replay()
-        return self.output
 
 
 def _first(out: Any) -> Tensor:

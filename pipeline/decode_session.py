@@ -3,21 +3,26 @@
     session = DecodeSession(BucketGraphs(bucket_dir))
     session.generate([[1, 2, 3]], max_new_tokens=16)
 
-On cuda the decode graph is recorded as a CUDA graph (``pipeline.cuda_graphs``) when the
-session is made: the caches are allocated here and captured by address before any prefill has
-filled them, so the capture's warmup calls can only overwrite zeros. Each decode step is then
-one replay. Prefill stays an ordinary call (compute-bound, launched once per request). CPU
-sessions call the graphs directly.
+A greedy step is the decode graph (which also returns the argmax) plus three small updates
+that feed it its own output: the next token becomes the input, positions advance by one, and
+the token is written at its position into ``generated``, a [B, S] buffer of the session. So
+generating N tokens is N calls of one step with no host work in between.
 
-The greedy loop keeps tokens on the device and syncs with the host only every
-``EOS_CHECK_EVERY`` steps to see whether every row has stopped, so the host queues replays
-ahead of the GPU instead of waiting on each token. Rows keep running after their EOS; their
-extra tokens are cut off afterwards, so the result equals stopping at once.
+On cuda that step is recorded as a CUDA graph (``pipeline.cuda_graphs``) when the session is
+made: the caches are allocated here and captured by address before any prefill has filled
+them, so the capture's warmup calls can only overwrite zeros. Each token is then one replay,
+with no copy in or out. Prefill stays an ordinary call (compute-bound, once per request).
+CPU sessions run the same step eagerly.
+
+The loop syncs with the host only every ``EOS_CHECK_EVERY`` steps to see whether every row
+has stopped, so the host queues replays ahead of the GPU instead of waiting on each token.
+Rows keep running after their EOS; their extra tokens are cut off afterwards, so the result
+equals stopping at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -42,19 +47,22 @@ class DecodeSession:
         self.spec = graphs.spec
         self.device = torch.device(graphs.device)
         self.k_cache, self.v_cache = graphs.new_cache()
+        b, s, dev = self.spec.batch, self.spec.seq, self.device
+        # generated[r, p]: the token this session produced for position p of row r (p = S
+        # too: the last token of a full bucket needs no cache slot, only a place here)
+        self.generated = torch.zeros((b, s + 1), dtype=torch.int64, device=dev)
         self._step: StaticGraph | None = None
         if recorder is not None or (cuda_graphs and self.device.type == "cuda"):
             if recorder is None and not graphs.single_threaded:
                 raise ValueError(
                     "CUDA graphs need packages loaded with BucketGraphs(..., single_threaded=True)"
                 )
-            b, dev = self.spec.batch, self.device
             like = (
                 torch.zeros((b, 1), dtype=torch.int64, device=dev),
                 torch.zeros((b,), dtype=torch.int64, device=dev),
             )
-            caches = (self.k_cache, self.v_cache)
-            self._step = StaticGraph(graphs.decode, like, caches, recorder=recorder)
+            fixed = (self.k_cache, self.v_cache, self.generated)
+            self._step = StaticGraph(self._greedy_step, like, fixed, recorder=recorder)
 
     @property
     def batch(self) -> int:
@@ -70,8 +78,7 @@ class DecodeSession:
 
     def prefill(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """tokens [B, S], lengths [B] → fp32 logits [B, V] of each row's last real token."""
-        tokens, lengths = _on(self.device, tokens, lengths)
-        return _first(self.graphs.prefill(tokens, lengths, self.k_cache, self.v_cache))
+        return self._prefill(tokens, lengths)[0]
 
     def decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """tokens [B, 1] at positions [B] → fp32 logits [B, V].
@@ -81,36 +88,65 @@ class DecodeSession:
         tokens, positions = _on(self.device, tokens, positions)
         if self._step is not None:
             return self._step(tokens, positions)
-        return _first(self.graphs.decode(tokens, positions, self.k_cache, self.v_cache))
+        return self.graphs.decode(tokens, positions, self.k_cache, self.v_cache)[0]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None
     ) -> list[list[int]]:
         """Greedy: the new tokens of each prompt, each ending at its first EOS (if any)."""
         self._check(prompts, max_new_tokens)
-        n, b, dev = len(prompts), self.spec.batch, self.device
-        tokens = torch.zeros((b, self.spec.seq), dtype=torch.int64)
+        n, b, s = len(prompts), self.spec.batch, self.spec.seq
+        tokens = torch.zeros((b, s), dtype=torch.int64)
         lengths = torch.ones(b, dtype=torch.int64)  # unused rows: one pad token
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
             lengths[row] = len(p)
-        logits = self.prefill(tokens, lengths)
-        positions = lengths.to(dev)  # where each row's next token goes
-        out = torch.empty((b, max_new_tokens), dtype=torch.int64, device=dev)
-        check_every = EOS_CHECK_EVERY.get(dev.type, 8)
-        step = 0
-        for step in range(max_new_tokens):
-            nxt = logits.argmax(-1)
-            out[:, step] = nxt
-            if step == max_new_tokens - 1:
+        _, first = self._prefill(tokens, lengths)
+        lengths = lengths.to(self.device)
+        self.generated.scatter_(1, lengths[:, None], first[:, None])
+        step = self._advance(first[:, None], lengths)
+        check_every = EOS_CHECK_EVERY.get(self.device.type, 8)
+        done = 1  # tokens generated so far, per row
+        while done < max_new_tokens:
+            check = eos_token_id is not None and done % check_every == 0
+            if check and self._all_stopped(lengths, done, n, eos_token_id):
                 break
-            check = eos_token_id is not None and (step + 1) % check_every == 0
-            if check and bool((out[:n, : step + 1] == eos_token_id).any(1).all()):
-                break
-            logits = self.decode(nxt[:, None], positions)
-            positions = positions + 1
-        rows = out[:n, : step + 1].tolist()
-        return [_until(row, eos_token_id) for row in rows]
+            step()
+            done += 1
+        rows = self.generated[:n].tolist()
+        starts = lengths[:n].tolist()
+        return [_until(r[p : p + done], eos_token_id) for r, p in zip(rows, starts, strict=True)]
+
+    def _prefill(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        tokens, lengths = _on(self.device, tokens, lengths)
+        logits, nxt = self.graphs.prefill(tokens, lengths, self.k_cache, self.v_cache)
+        return logits, nxt  # (fp32 [B, V], int64 [B])
+
+    def _greedy_step(
+        self, tokens: Tensor, positions: Tensor, k: Tensor, v: Tensor, generated: Tensor
+    ) -> Tensor:
+        """Decode ``tokens`` at ``positions``, then feed the result back in, in place."""
+        logits, nxt = self.graphs.decode(tokens, positions, k, v)
+        # The token is for the next position; clamped so a step past the end (which
+        # generate never takes) cannot index out of bounds inside a CUDA graph.
+        where = (positions + 1).clamp(max=self.spec.seq)
+        generated.scatter_(1, where[:, None], nxt[:, None])
+        tokens.copy_(nxt[:, None])
+        positions.add_(1)
+        return logits
+
+    def _advance(self, tokens: Tensor, positions: Tensor) -> Callable[[], Any]:
+        """A call that runs one greedy step from ``tokens`` at ``positions`` onward."""
+        if self._step is not None:
+            self._step.load(tokens, positions)
+            return self._step.replay
+        state = (tokens.clone(), positions.clone(), self.k_cache, self.v_cache, self.generated)
+        return lambda: self._greedy_step(*state)
+
+    def _all_stopped(self, lengths: Tensor, done: int, n: int, eos: int) -> bool:
+        cols = torch.arange(self.spec.seq + 1, device=self.device)
+        mine = (cols >= lengths[:n, None]) & (cols < lengths[:n, None] + done)
+        return bool(((self.generated[:n] == eos) & mine).any(1).all())
 
     def _check(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
         if not 1 <= len(prompts) <= self.spec.batch:
@@ -130,7 +166,3 @@ def _until(row: list[int], eos: int | None) -> list[int]:
 def _on(device: torch.device, *tensors: Tensor) -> tuple[Tensor, ...]:
     # The packages assume dense row-major inputs: a column slice is not.
     return tuple(t.to(device).contiguous() for t in tensors)
-
-
-def _first(out: Any) -> Tensor:
-    return out[0] if isinstance(out, (list, tuple)) else out

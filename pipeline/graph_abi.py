@@ -10,19 +10,25 @@ A bucket directory holds::
 
 Both graphs take the KV caches as inputs and update them **in place**; the caller owns them
 (allocate with ``new_cache``), so prefill and decode share one cache without copies and
-CUDA graphs can capture both with fixed addresses. The graphs return only logits.
+CUDA graphs can capture both with fixed addresses. Both return (logits, next_tokens): the
+greedy argmax is computed inside the graph, so a greedy step needs no kernel of its own.
 
-``prefill(tokens, lengths, k_cache, v_cache) -> logits``
-    tokens  int64 [B, S]  prompts, right-padded (any pad id)
-    lengths int64 [B]     real tokens per row, 1..S
-    logits  fp32  [B, V]  for each row's last real token (position lengths-1)
+``prefill(tokens, lengths, k_cache, v_cache) -> (logits, next_tokens)``
+    tokens      int64 [B, S]  prompts, right-padded (any pad id)
+    lengths     int64 [B]     real tokens per row, 1..S
+    logits      fp32  [B, V]  for each row's last real token (position lengths-1)
+    next_tokens int64 [B]     argmax of logits
     writes cache positions 0..S-1 (pad positions hold junk that decode overwrites)
 
-``decode(tokens, positions, k_cache, v_cache) -> logits``
-    tokens    int64 [B, 1]  one new token per row
-    positions int64 [B]     where it goes: lengths for the first step, then +1 each step
-    logits    fp32  [B, V]
+``decode(tokens, positions, k_cache, v_cache) -> (logits, next_tokens)``
+    tokens      int64 [B, 1]  one new token per row
+    positions   int64 [B]     where it goes: lengths for the first step, then +1 each step
+    logits      fp32  [B, V]
+    next_tokens int64 [B]     argmax of logits
     attends to cache positions 0..positions (inclusive)
+
+Weights: Hugging Face names, with q/k/v and gate/up stacked into ``qkv_proj`` and
+``gate_up_proj`` (``pipeline.compile.decoder.fuse_checkpoint``).
 
 Bounds are the caller's job: positions must be < S and token ids < V. The kernels check
 indices, and a failed check aborts the process rather than raising.
@@ -43,14 +49,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: fused qkv_proj / gate_up_proj weights; next_tokens output
 GRAPH_FILE = "graph.json"
 PREFILL_FILE = "prefill.pt2"
 DECODE_FILE = "decode.pt2"
 WEIGHTS_FILE = "weights.safetensors"
 PREFILL_INPUTS = ("tokens", "lengths", "k_cache", "v_cache")
 DECODE_INPUTS = ("tokens", "positions", "k_cache", "v_cache")
-OUTPUTS = ("logits",)
+OUTPUTS = ("logits", "next_tokens")  # fp32 [B, V]; int64 [B], the argmax
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,18 @@ def load_graph(
         run_single_threaded=single_threaded,
         device_index=-1 if device.index is None else device.index,
     )
-    constants = {n: weights[spec.aliases.get(n, n)] for n in model.get_constant_fqns()}
+    names = {n: spec.aliases.get(n, n) for n in model.get_constant_fqns()}
+    missing = sorted(w for w in names.values() if w not in weights)
+    if missing:
+        from pipeline.errors import IntegrityError
+
+        raise IntegrityError(
+            str(path),
+            f"needs {len(missing)} weights that {WEIGHTS_FILE} lacks (first: {missing[0]})",
+            "the release mixes graphs and weights of different builds; compile and publish it "
+            "again",
+        )
+    constants = {n: weights[w] for n, w in names.items()}
     model.load_constants(constants, check_full_update=True, user_managed=True)
     return model
 

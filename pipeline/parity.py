@@ -7,7 +7,9 @@ cuda); the reference runs each prompt alone, unpadded, in fp32, on the reference
 
 * Logits after the prompt and after each of N decode steps, **teacher-forced** on the
   reference's greedy tokens so that one early difference does not compound: max absolute
-  error, max relative error (|Δ| over the row's largest |reference logit|), top-1 agreement.
+  error, max relative error (|Δ| over the row's largest |reference logit|), top-1 agreement
+  (a different top-1 where the reference itself is within the tolerance of a tie is excused:
+  random-weight models, what CI and benches use, have near-flat logits in bf16).
 * N+1 **free-running** greedy tokens from the release's own ``generate``: equal to the
   reference's, or diverging only where the reference itself was within the tolerance of a tie.
 
@@ -134,7 +136,8 @@ class BucketParity:
     rows: int = 0  # compared logit rows: prompts × (steps + 1)
     max_abs: float = 0.0
     max_rel: float = 0.0
-    top1: float = 0.0
+    top1: float = 0.0  # rows whose top-1 agrees, or differs only at a reference near-tie
+    top1_exact: float = 0.0  # rows whose top-1 token is the reference's
     greedy_exact: float = 0.0  # share of prompts whose steps + 1 greedy tokens all match
     greedy_near_ties: int = 0  # prompts that diverged where the reference was near a tie
     greedy_decisive: int = 0  # prompts that diverged where the reference was not
@@ -198,9 +201,9 @@ class ParityReport:
             f"filling its batch; N = {self.steps} decode steps, teacher-forced on the "
             "reference's greedy tokens; plus N+1 free-running greedy tokens",
             f"- Tolerances ({self.tolerance_dtype}): max relative logit error ≤ {t.max_rel:g} "
-            f"(|Δ| ÷ the row's max |reference logit|), top-1 agreement ≥ {t.min_top1:.0%}, "
-            "greedy tokens equal except after a near-tie (the reference's margin between the "
-            f"two tokens ≤ 2 × {t.max_rel:g} × max |logit|)",
+            f"(|Δ| ÷ the row's max |reference logit|), top-1 agreement ≥ {t.min_top1:.0%} and "
+            "greedy tokens equal, both except at a near-tie (the reference's margin between the "
+            f"two tokens ≤ 2 × {t.max_rel:g} × max |logit|); top-1 in brackets: exact agreement",
             "",
             "| bucket | prompts | lengths | max abs | max rel | top-1 | greedy exact | result |",
             "|---|---:|---|---:|---:|---:|---:|---|",
@@ -210,7 +213,7 @@ class ParityReport:
             result = "pass" if b.passed else "**FAIL**"
             lines.append(
                 f"| {b.bucket} | {b.prompts} | {lengths} | {b.max_abs:.3g} | {b.max_rel:.3g} "
-                f"| {b.top1:.1%} | {b.greedy_exact:.1%} | {result} |"
+                f"| {b.top1:.1%} ({b.top1_exact:.1%}) | {b.greedy_exact:.1%} | {result} |"
             )
         lines += [
             "",
@@ -313,7 +316,7 @@ def _check_bucket(
 
     steps = min(steps, run.seq - 1)
     out = BucketParity(name, prompt_lengths(run.seq, steps))
-    agree = exact = 0
+    agree = near = exact = 0
     for prompts in make_prompts(name, run.batch, run.seq, steps, ref.vocab, seed):
         expected = [ref.greedy(p, steps) for p in prompts]  # (tokens [N+1], logits [N+1, V])
         ref_tokens = torch.tensor([t for t, _ in expected])  # [B, N+1]
@@ -331,7 +334,10 @@ def _check_bucket(
             err = (actual - want).abs().amax(-1)
             out.max_abs = _worst(out.max_abs, err.max().item())
             out.max_rel = _worst(out.max_rel, (err / _scale(want)).max().item())
-            agree += int((actual.argmax(-1) == want.argmax(-1)).sum())
+            for row_got, row_want in zip(actual.argmax(-1).tolist(), want, strict=True):
+                tie = _near_tie(row_want, int(row_want.argmax()), row_got, tol)
+                agree += tie == "exact"
+                near += tie == "near-tie"
             out.rows += len(prompts)
         free = run.generate(prompts, steps + 1, None)
         for row, tokens_ in enumerate(free):
@@ -340,7 +346,8 @@ def _check_bucket(
             out.greedy_near_ties += verdict == "near-tie"
             out.greedy_decisive += verdict == "decisive"
         out.prompts += len(prompts)
-    out.top1 = agree / out.rows
+    out.top1 = (agree + near) / out.rows
+    out.top1_exact = agree / out.rows
     out.greedy_exact = exact / out.prompts
     out.failures = _failures(out, tol)
     return out
@@ -352,10 +359,17 @@ def _greedy_verdict(got: list[int], expected: tuple[list[int], Any], tol: Tolera
     want, logits = expected
     for k, (a, b) in enumerate(zip(got, want, strict=False)):
         if a != b:
-            row = logits[k]
-            margin = float(row[b] - row[a])
-            return "near-tie" if margin <= 2 * tol.max_rel * float(_scale(row)) else "decisive"
+            return _near_tie(logits[k], b, a, tol)
     return "exact" if len(got) == len(want) else "decisive"
+
+
+def _near_tie(row: Any, want: int, got: int, tol: Tolerance) -> str:
+    """exact | near-tie (the reference scores ``got`` within twice the logit tolerance of its
+    own choice ``want``: logit errors the tolerance allows can swap them) | decisive."""
+    if got == want:
+        return "exact"
+    margin = float(row[want] - row[got])
+    return "near-tie" if margin <= 2 * tol.max_rel * float(_scale(row)) else "decisive"
 
 
 def _failures(b: BucketParity, tol: Tolerance) -> list[str]:
@@ -482,6 +496,7 @@ def release_state_dict(release_dir: Path, manifest: Manifest) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from pipeline.checkpoint import read_shape
+    from pipeline.compile.decoder import unfuse_checkpoint
     from pipeline.gqa import GqaPlan
 
     name = sorted(manifest.buckets)[0]
@@ -493,7 +508,7 @@ def release_state_dict(release_dir: Path, manifest: Manifest) -> dict[str, Any]:
         )
     shape = read_shape(release_dir)
     plan = GqaPlan(**manifest.gqa)
-    state = load_file(str(release_dir / BUCKETS / name / WEIGHTS_FILE))
+    state = unfuse_checkpoint(load_file(str(release_dir / BUCKETS / name / WEIGHTS_FILE)))
     state.pop("rope_inv_freq", None)  # the compiled graphs' own buffer, not Hugging Face's
     return {k: _unpad(k, v, shape.head_dim, plan).float() for k, v in state.items()}
 

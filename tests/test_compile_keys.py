@@ -147,3 +147,33 @@ def test_keys_import_and_compute_without_torch(write_config):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip()) == 64
+
+
+def test_key_changes_with_the_cxx_compiler(write_config, monkeypatch, tmp_path):
+    """Inductor builds packages with $CXX: another compiler is another package (a CUDA image
+    we used had a CXX wrapper whose packages crashed on load)."""
+    from pipeline.compile.backends import aoti
+
+    base = key_of(write_config, CONFIG)
+    wrapper = tmp_path / "g++-wrapper"
+    wrapper.write_text("#!/bin/sh\necho 'g++-wrapper 1.0'\n")
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    aoti.cxx_identity.cache_clear()
+    try:
+        assert aoti.cxx_identity() == f"{wrapper}: g++-wrapper 1.0"
+        assert key_of(write_config, CONFIG) != base
+    finally:
+        monkeypatch.undo()
+        aoti.cxx_identity.cache_clear()
+    assert key_of(write_config, CONFIG) == base
+
+
+def test_a_package_that_does_not_load_fails_its_bucket(tmp_path):
+    pytest.importorskip("torch")
+    from pipeline.compile.backends.aoti import check_loads
+
+    bad = tmp_path / "decode.pt2"
+    bad.write_bytes(b"not a package")
+    with pytest.raises(Exception):  # noqa: B017 - torch's loader raises several kinds
+        check_loads(bad)

@@ -119,6 +119,21 @@ def test_a_failed_prepare_fails_every_miss_and_is_retried_next_run(config, monke
     assert set(statuses(run(config)).values()) == {"compiled"}
 
 
+def test_shared_files_are_prepared_again_when_the_format_changes(config, monkeypatch):
+    """A new format (what a backend writes, e.g. renamed weights) must not reuse the shared
+    files an older format prepared in the same workdir."""
+    import pipeline.compile.keys as keys
+    import pipeline.compile.runner as runner
+
+    run(config)
+    shared = config.parent / "work" / "shared"
+    before = {p.name for p in shared.iterdir()}
+    monkeypatch.setattr(keys, "FORMAT_VERSION", keys.FORMAT_VERSION + 1)
+    monkeypatch.setattr(runner, "FORMAT_VERSION", keys.FORMAT_VERSION)
+    assert set(statuses(run(config)).values()) == {"compiled"}  # new keys: nothing cached
+    assert {p.name for p in shared.iterdir()} - before  # and a fresh prepare
+
+
 def test_a_crashed_compiler_leaves_no_cache_entry(config, monkeypatch):
     monkeypatch.setenv("FAKE_COMPILE", json.dumps({"b1_s64": "crash"}))
     report = run(config)

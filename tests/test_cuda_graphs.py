@@ -111,6 +111,34 @@ def test_generate_stops_at_eos_like_a_step_by_step_loop(demo_buckets):
         session.generate([list(range(60))], 6, None)
 
 
+def test_generate_fills_the_bucket_to_its_last_position(demo_buckets):
+    """60 prompt tokens + 5 new in a 64-position bucket: the 5th token needs no cache slot.
+    The greedy step (in-graph argmax fed back in place) equals a loop over decode logits."""
+    from pipeline.decode_session import DecodeSession
+    from pipeline.graph_abi import BucketGraphs
+
+    graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
+    prompts = [list(range(3, 63)), [7, 8]]
+    recorder = ReplayRecorder()
+    recorded = DecodeSession(graphs, recorder=recorder)
+    before = recorder.calls
+    got = recorded.generate(prompts, 5, None)
+    assert recorder.calls - before == 4  # one replay per token after the prefill's
+    assert got == DecodeSession(graphs).generate(prompts, 5, None)
+
+    manual = DecodeSession(graphs)
+    tokens = torch.zeros((2, 64), dtype=torch.int64)
+    for row, p in enumerate(prompts):
+        tokens[row, : len(p)] = torch.tensor(p)
+    lengths = torch.tensor([len(p) for p in prompts])
+    nxt = manual.prefill(tokens, lengths).argmax(-1)
+    want = [nxt]
+    for k in range(4):
+        nxt = manual.decode(nxt[:, None], lengths + k).argmax(-1)
+        want.append(nxt)
+    assert got == torch.stack(want, 1).tolist()
+
+
 # --- on an NVIDIA GPU -----------------------------------------------------------------------
 
 

@@ -238,3 +238,13 @@ def test_cuda_release_passes_against_the_cuda_reference(compiled_cuda_release, t
     assert data["passed"] and data["cuda_graphs"] and data["reference"]["device"] == "cuda"
     assert len(data["buckets"]) == 4
     print(report.read_text())  # the numbers, for the record (pytest -s)
+
+
+def test_a_top1_flip_is_excused_only_at_a_reference_near_tie():
+    from pipeline.parity import Tolerance, _near_tie
+
+    tol = Tolerance(max_rel=0.05, min_top1=0.9)
+    row = torch.tensor([10.0, 9.5, 2.0])  # 2 × 0.05 × 10 = 1.0 of slack
+    assert _near_tie(row, 0, 0, tol) == "exact"
+    assert _near_tie(row, 0, 1, tol) == "near-tie"  # 0.5 apart: within the tolerance
+    assert _near_tie(row, 0, 2, tol) == "decisive"  # 8 apart: a real error

@@ -137,3 +137,23 @@ def test_run_command(installed):
     assert data["bucket"] == "b1_s32" and len(data["new_tokens"]) <= 4
     r = CliRunner().invoke(app, ["run", str(model_dir), "--prompt-ids", "1,x"])
     assert r.exit_code == 2 and "not a list of integers" in r.stderr
+
+
+def test_weights_that_do_not_fit_the_graphs_are_one_clear_error(installed, tmp_path):
+    """Graphs of one build beside the weights of another (say, unfused names): an
+    IntegrityError naming the missing weight, not a KeyError from deep in the loader."""
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.graph_abi import BucketGraphs
+
+    _, model_dir = installed
+    bucket = next((model_dir / "current" / "buckets").iterdir())
+    copy = tmp_path / bucket.name
+    for f in bucket.iterdir():
+        (copy / f.name).parent.mkdir(exist_ok=True)
+        (copy / f.name).write_bytes(f.read_bytes())
+    state = load_file(copy / "weights.safetensors")
+    del state["model.layers.0.mlp.gate_up_proj.weight"]
+    save_file(state, copy / "weights.safetensors")
+    with pytest.raises(IntegrityError, match=r"first: model\.layers\.0\.mlp\.gate_up_proj\.weight"):
+        BucketGraphs(copy)

@@ -20,7 +20,7 @@ from pipeline.errors import CheckpointError
 from pipeline.plan import release_gqa_plan
 
 # Bump when what a backend writes for the same inputs changes (graph ABI, file layout).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # Files that hold weights, in every layout transformers writes.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 

@@ -29,7 +29,13 @@ from pipeline.buckets import Bucket
 from pipeline.compile import shards
 from pipeline.compile.backends import backend_path, get_backend, resolve_backend
 from pipeline.compile.backends.base import BucketJob
-from pipeline.compile.keys import digest, key_material, model_config_digest, weights_digest
+from pipeline.compile.keys import (
+    FORMAT_VERSION,
+    digest,
+    key_material,
+    model_config_digest,
+    weights_digest,
+)
 from pipeline.config import Release
 from pipeline.errors import InputError
 from pipeline.plan import release_gqa_plan
@@ -245,7 +251,13 @@ class _Scheduler:
             model_dir = self.workdir / "padded" / digest(inputs)[:16]
             if not model_dir.is_dir():
                 _pad(self.release.checkpoint, model_dir, plan.tp, cfg.target.gqa_strategy)
-        inputs.update(dtype=cfg.model.dtype, backend=self.backend, versions=self.versions)
+        # format: what prepare writes changes with it (e.g. fused weight names in format 2)
+        inputs.update(
+            dtype=cfg.model.dtype,
+            backend=self.backend,
+            versions=self.versions,
+            format=FORMAT_VERSION,
+        )
         shared_dir = self.workdir / "shared" / digest(inputs)[:16]
         done = shared_dir / "prepared.json"
         if done.is_file():

@@ -13,10 +13,12 @@ compiler flags and are ignored here.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
 import shutil
+import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
@@ -43,6 +45,10 @@ CPU_OPTIONS: dict[str, Any] = {
     "aot_inductor.enable_line_tables": False,
 }
 X86_OPTIONS: dict[str, Any] = {"cpp.march": "x86-64-v3", "cpp.simdlen": 256}
+# CUDA: tune each Triton kernel's launch parameters. At batch 1 decode is one matrix-vector
+# product after another, and the tuned tiles stream weights faster (on an H200, a
+# Llama-3.2-1B step went from 1.60 ms to 1.37 ms); it costs compile time only.
+CUDA_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
 
 
 def parse_flags(flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -72,7 +78,11 @@ class AotiBackend(Backend):
         return {p: metadata.version(p) for p in ("torch", "transformers")}
 
     def key_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
-        return {"inductor": self.inductor_options(flags), "machine": platform.machine()}
+        return {
+            "inductor": self.inductor_options(flags),
+            "machine": platform.machine(),
+            "cxx": cxx_identity(),
+        }
 
     def inductor_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
         return {**self.default_options(), **parse_flags(flags)}
@@ -93,7 +103,7 @@ class AotiBackend(Backend):
             model = dec.Decoder(cfg)
         tied = dec.aliases(model)
         wanted = set(model.state_dict()) - set(tied) - {"rope_inv_freq"}
-        state = read_checkpoint(model_dir)
+        state = dec.fuse_checkpoint(read_checkpoint(model_dir))
         missing = sorted(wanted - set(state))
         unexpected = sorted(set(state) - wanted - set(tied))
         if missing or unexpected:
@@ -150,6 +160,7 @@ class AotiBackend(Backend):
             )
             seconds[name] = round(time.monotonic() - start, 2)
             print(f"{name}: exported and compiled in {seconds[name]}s", flush=True)
+            check_loads(path)
         (job.out_dir / GRAPH_FILE).write_text(spec.to_json())
         weights = job.out_dir / WEIGHTS_FILE
         _link(job.shared[WEIGHTS_FILE], weights)
@@ -185,6 +196,9 @@ class CudaBackend(AotiBackend):
     name = "cuda"
     device = "cuda"
 
+    def default_options(self) -> dict[str, Any]:
+        return {**BASE_OPTIONS, **CUDA_OPTIONS}
+
     def unavailable_reason(self) -> str | None:
         if not cuda_present():
             return "no NVIDIA GPU visible (torch.cuda.is_available() is False)"
@@ -198,6 +212,39 @@ def cuda_present() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+@functools.cache
+def cxx_identity() -> str:
+    """The C++ compiler inductor builds packages with, and its version line.
+
+    Inductor takes ``$CXX`` (else g++) when it is imported; this mirrors that rule without
+    importing torch, so a no-op recompile stays fast. A different compiler gives a
+    different package: one CUDA image we used sets ``CXX`` to a wrapper whose packages
+    crash when loaded, while the system g++ builds working ones."""
+    cxx = os.environ.get("CXX") or "g++"
+    path = shutil.which(cxx)
+    if path is None:
+        return f"{cxx} (not found)"
+    try:
+        out = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{path} ({type(e).__name__})"
+    return f"{path}: {(out.stdout.splitlines() or [''])[0]}"
+
+
+def check_loads(package: Path) -> None:
+    """Load a package right after building it: one that cannot load must not be cached.
+
+    A broken build can kill this process (SIGSEGV) rather than raise; the runner then reports
+    the signal with this log's last line, which names the package."""
+    from torch._inductor import aoti_load_package
+
+    print(f"{package.name}: checking that it loads with {cxx_identity()}", flush=True)
+    aoti_load_package(str(package))
+    print(f"{package.name}: loads", flush=True)
 
 
 def read_checkpoint(model_dir: Path) -> dict[str, Any]:
