@@ -5,7 +5,7 @@
 
 A greedy step is the decode graph (which also returns the argmax) plus three small updates
 that feed it its own output: the next token becomes the input, positions advance by one, and
-the token is written at its position into ``generated``, a [B, S] buffer of the session. So
+the token is written at its position into ``generated``, a [B, S+1] buffer of the session. So
 generating N tokens is N calls of one step with no host work in between.
 
 On cuda that step is recorded as a CUDA graph (``pipeline.cuda_graphs``) when the session is

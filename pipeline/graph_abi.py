@@ -75,6 +75,8 @@ class GraphSpec:
     prefill_inputs: tuple[str, ...] = PREFILL_INPUTS
     decode_inputs: tuple[str, ...] = DECODE_INPUTS
     outputs: tuple[str, ...] = OUTPUTS
+    # cuda: the GPU architecture the kernels were built and tuned for ("sm_90"); "" on cpu
+    cuda_arch: str = ""
 
     @property
     def cache_shape(self) -> tuple[int, int, int, int, int]:
@@ -87,7 +89,14 @@ class GraphSpec:
     def read(cls, bucket_dir: Path) -> GraphSpec:
         data: dict[str, Any] = json.loads((Path(bucket_dir) / GRAPH_FILE).read_text())
         if data.get("abi") != ABI_VERSION:
-            raise ValueError(f"graph ABI {data.get('abi')} is not {ABI_VERSION}; recompile")
+            from pipeline.errors import RuntimeMismatchError
+
+            raise RuntimeMismatchError(
+                str(bucket_dir),
+                f"compiled graphs of ABI {data.get('abi')}; this inf2-pipeline runs ABI "
+                f"{ABI_VERSION}",
+                "compile and publish the release again with this version",
+            )
         for k in ("prefill_inputs", "decode_inputs", "outputs"):
             data[k] = tuple(data[k])
         return cls(**data)
@@ -165,6 +174,29 @@ class _IsaNotice:
         return "AOTI_CPU_ISA" not in record.getMessage()
 
 
+def cuda_arch(device: Any = None) -> str:
+    """The GPU's architecture as nvcc names it: sm_90 on an H100/H200."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def check_runs_here(spec: GraphSpec, bucket_dir: Path, device: Any = None) -> None:
+    """Refuse cuda kernels built for another GPU architecture before loading them."""
+    from pipeline.errors import RuntimeMismatchError
+
+    if not spec.cuda_arch or spec.device != "cuda":
+        return
+    here = cuda_arch(device)
+    if here != spec.cuda_arch:
+        raise RuntimeMismatchError(
+            str(bucket_dir),
+            f"compiled for {spec.cuda_arch} GPUs, this GPU is {here}",
+            "compile the release on (or for) this GPU architecture",
+        )
+
+
 class BucketGraphs:
     """Both graphs of one bucket directory, ready to call."""
 
@@ -180,6 +212,7 @@ class BucketGraphs:
         self.single_threaded = single_threaded
         self.spec = GraphSpec.read(self.dir)
         self.device = device or self.spec.device
+        check_runs_here(self.spec, self.dir, self.device)
         self.weights = weights or load_weights(self.dir / WEIGHTS_FILE, self.device)
         args = (self.weights, self.spec, self.device)
         self.prefill = load_graph(self.dir / PREFILL_FILE, *args, single_threaded=single_threaded)

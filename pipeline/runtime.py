@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.buckets import Bucket, select_bucket
 from pipeline.errors import InputError, IntegrityError, RuntimeMismatchError
-from pipeline.graph_abi import WEIGHTS_FILE, BucketGraphs, load_weights
+from pipeline.graph_abi import (
+    WEIGHTS_FILE,
+    BucketGraphs,
+    GraphSpec,
+    check_runs_here,
+    load_weights,
+)
 from pipeline.release_dir import BUCKETS, MANIFEST, release_files, resolve_release
 from pipeline.store.manifest import Manifest
 
@@ -70,6 +76,9 @@ class BucketedModel:
                     "missing or of the wrong size",
                     "the install is incomplete; pull the release again",
                 )
+        # Graph ABI and GPU architecture: refuse now, not on the first request.
+        first = release_dir / BUCKETS / sorted(manifest.buckets)[0]
+        check_runs_here(GraphSpec.read(first), first)
         return cls(release_dir, manifest, manifest.backend, cuda_graphs=cuda_graphs)
 
     def select(self, batch: int, seq: int) -> Bucket:

@@ -169,7 +169,16 @@ def test_key_changes_with_the_cxx_compiler(write_config, monkeypatch, tmp_path):
     assert key_of(write_config, CONFIG) == base
 
 
-def test_a_package_that_does_not_load_fails_its_bucket(tmp_path):
+def test_cuda_keys_change_with_the_gpu_architecture(write_config, monkeypatch):
+    from pipeline.compile.backends import aoti
+
+    monkeypatch.setattr(aoti, "gpu_compute_capability", lambda: "9.0")
+    h200 = key_of(write_config, CONFIG, backend="cuda")
+    monkeypatch.setattr(aoti, "gpu_compute_capability", lambda: "8.9")
+    assert key_of(write_config, CONFIG, backend="cuda") != h200
+
+
+def test_check_loads_raises_on_a_package_that_does_not_load(tmp_path):
     pytest.importorskip("torch")
     from pipeline.compile.backends.aoti import check_loads
 

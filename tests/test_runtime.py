@@ -118,6 +118,12 @@ def test_load_refuses_what_it_cannot_run(installed, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(RuntimeMismatchError, match="not 'cuda'"):
         BucketedModel.load(copy, backend="cuda")
+    graph = sorted(copy.glob("buckets/*/graph.json"))[0]
+    text = graph.read_text()
+    graph.write_text(text.replace('"abi": 2', '"abi": 1'))  # same size: passes the file check
+    with pytest.raises(RuntimeMismatchError, match="ABI 1; this inf2-pipeline runs ABI 2"):
+        BucketedModel.load(copy)
+    graph.write_text(text)
     next(copy.glob("buckets/*/decode.pt2")).write_bytes(b"truncated")
     with pytest.raises(IntegrityError, match="wrong size"):
         BucketedModel.load(copy)
@@ -157,3 +163,14 @@ def test_weights_that_do_not_fit_the_graphs_are_one_clear_error(installed, tmp_p
     save_file(state, copy / "weights.safetensors")
     with pytest.raises(IntegrityError, match=r"first: model\.layers\.0\.mlp\.gate_up_proj\.weight"):
         BucketGraphs(copy)
+
+
+def test_cuda_kernels_for_another_gpu_architecture_are_refused(monkeypatch, tmp_path):
+    from pipeline import graph_abi
+
+    spec = graph_abi.GraphSpec(1, 32, 2, 2, 8, 512, "bfloat16", "cuda", cuda_arch="sm_90")
+    monkeypatch.setattr(graph_abi, "cuda_arch", lambda device=None: "sm_89")
+    with pytest.raises(RuntimeMismatchError, match="compiled for sm_90 GPUs, this GPU is sm_89"):
+        graph_abi.check_runs_here(spec, tmp_path)
+    monkeypatch.setattr(graph_abi, "cuda_arch", lambda device=None: "sm_90")
+    graph_abi.check_runs_here(spec, tmp_path)  # same architecture: fine

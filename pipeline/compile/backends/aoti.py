@@ -32,6 +32,7 @@ from pipeline.graph_abi import (
     PREFILL_FILE,
     WEIGHTS_FILE,
     GraphSpec,
+    cuda_arch,
 )
 
 FLAG_PREFIX = "inductor."
@@ -145,6 +146,7 @@ class AotiBackend(Backend):
             dtype=job.dtype,
             device=self.device,
             aliases=dec.aliases(model),
+            cuda_arch=cuda_arch() if self.device == "cuda" else "",
         )
         options = self.inductor_options(job.flags)
         seconds = {}
@@ -199,6 +201,10 @@ class CudaBackend(AotiBackend):
     def default_options(self) -> dict[str, Any]:
         return {**BASE_OPTIONS, **CUDA_OPTIONS}
 
+    def key_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+        # Kernels are built and tuned for the GPU that compiles them.
+        return {**super().key_options(flags), "gpu": gpu_compute_capability()}
+
     def unavailable_reason(self) -> str | None:
         if not cuda_present():
             return "no NVIDIA GPU visible (torch.cuda.is_available() is False)"
@@ -212,6 +218,25 @@ def cuda_present() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+@functools.cache
+def gpu_compute_capability() -> str:
+    """The compute capability of the GPUs here ("9.0"), asked of nvidia-smi, not torch, so a
+    no-op recompile stays fast. "none" without a driver."""
+    if shutil.which("nvidia-smi") is None:
+        return "none"
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({type(e).__name__})"
+    return ",".join(sorted({line.strip() for line in out.stdout.splitlines() if line.strip()}))
 
 
 @functools.cache
