@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline.compile.keys import bucket_cache_key, weights_digest
 from pipeline.compile.runner import compile_release
-from pipeline.config import load_config
+from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.blobs import put_blob
 from pipeline.store.cache import CacheEntry, write_cache_entry

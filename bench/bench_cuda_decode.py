@@ -182,11 +182,11 @@ def write_config(
 def compile_and_install(configs: list[Path], workdir: Path, jobs: list[int]) -> dict[str, Any]:
     """Compile the releases at once (one thread each; compiles run in worker processes),
     then publish and pull each: the release directories a server would load."""
+    from pipeline.compile.release import publish_release
     from pipeline.compile.runner import compile_release
-    from pipeline.config import load_config
-    from pipeline.pull import pull_release
+    from pipeline.install.pull import pull_release
+    from pipeline.plan.config import load_config
     from pipeline.store import open_store
-    from pipeline.store.publish import publish_release
 
     releases = [load_config(c) for c in configs]
     reports: dict[str, Any] = {}

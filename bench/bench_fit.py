@@ -11,8 +11,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-from pipeline.fit import fit
-from pipeline.traces import read_lengths
+from pipeline.plan.fit import fit
+from pipeline.plan.traces import read_lengths
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = REPO.parent / "shared/traces/AzureLLMInferenceTrace_conv.csv"

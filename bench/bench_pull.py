@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.buckets import Bucket, select_bucket
-from pipeline.pull import pull_release
+from pipeline.install.pull import pull_release
+from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.store.blobs import put_blob
 from pipeline.store.layout import blob_key, release_key
 from pipeline.store.local import LocalStore

@@ -103,6 +103,11 @@ class MissingBucketsError(InputError):
     """A release cannot be assembled: some buckets have no compile cache entry."""
 
 
+class ManifestError(InputError):
+    """A release manifest is malformed (invalid JSON, a missing, unknown or mistyped field):
+    republishing fixes it, retrying never does (exit 2)."""
+
+
 class RuntimeMismatchError(InputError):
     """This runtime cannot run the release (backend, torch or compiler version)."""
 

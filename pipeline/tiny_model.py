@@ -9,17 +9,15 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal
 
 from pipeline.errors import InputError
-
-Arch = Literal["llama", "mistral", "qwen2"]
+from pipeline.plan.checkpoint import ARCHITECTURES
 
 
 def write_tiny_model(
     out: Path,
     *,
-    arch: Arch = "llama",
+    arch: str = "llama",
     layers: int = 2,
     hidden: int = 64,
     heads: int = 8,
@@ -46,6 +44,10 @@ def write_tiny_model(
             f"{hidden} is not divisible by {heads} heads",
             "pick hidden = heads × head_dim",
         )
+    if arch not in ARCHITECTURES:
+        raise InputError(
+            "--arch", f"unknown architecture '{arch}'", f"use {', '.join(ARCHITECTURES)}"
+        )
     if heads % kv_heads:
         raise InputError(
             "--kv-heads", f"{heads} query heads are not a multiple of {kv_heads}", None
@@ -59,11 +61,7 @@ def write_tiny_model(
     import torch
     import transformers
 
-    cls = {
-        "llama": transformers.LlamaConfig,
-        "mistral": transformers.MistralConfig,
-        "qwen2": transformers.Qwen2Config,
-    }[arch]
+    cls = getattr(transformers, f"{ARCHITECTURES[arch].hf_prefix}Config")
     config = cls(
         vocab_size=vocab,
         hidden_size=hidden,

@@ -107,7 +107,7 @@ def compiled_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
     import yaml
 
     from pipeline.compile.runner import compile_release
-    from pipeline.config import load_config
+    from pipeline.plan.config import load_config
 
     root = tmp_path_factory.mktemp("compiled")
     source = REPO / "configs" / "tiny-llama.yaml"
@@ -126,10 +126,10 @@ def compiled_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
 def installed(compiled_store, tmp_path_factory):
     """The compiled demo release, published and pulled: (release, DEST/MODEL). Read-only:
     tests that damage a release work on a copy."""
-    from pipeline.config import load_config
-    from pipeline.pull import pull_release
+    from pipeline.compile.release import publish_release
+    from pipeline.install.pull import pull_release
+    from pipeline.plan.config import load_config
     from pipeline.store import open_store
-    from pipeline.store.publish import publish_release
 
     config, store_dir = compiled_store
     release = load_config(config)
@@ -148,11 +148,11 @@ def compiled_cuda_release(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPa
 
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
+    from pipeline.compile.release import publish_release
     from pipeline.compile.runner import compile_release
-    from pipeline.config import load_config
-    from pipeline.pull import pull_release
+    from pipeline.install.pull import pull_release
+    from pipeline.plan.config import load_config
     from pipeline.store import open_store
-    from pipeline.store.publish import publish_release
 
     root = tmp_path_factory.mktemp("compiled-cuda")
     source = REPO / "configs" / "tiny-llama.yaml"

@@ -7,8 +7,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.buckets import Bucket
-from pipeline.config import Release
+from pipeline.plan.buckets import Bucket
+from pipeline.plan.config import Release
 from pipeline.store.base import Store
 from pipeline.store.blobs import put_blob
 from pipeline.store.cache import CacheEntry, write_cache_entry

@@ -17,8 +17,8 @@ import transformers
 
 from pipeline.compile import decoder as dec
 from pipeline.compile.runner import compile_release
-from pipeline.config import load_config
-from pipeline.graph_abi import GRAPH_FILE, GraphSpec, new_cache
+from pipeline.plan.config import load_config
+from pipeline.runtime.graph_abi import GRAPH_FILE, GraphSpec, new_cache
 from pipeline.tiny_model import write_tiny_model
 
 ATOL = 1e-4  # fp32; measured differences are ~1e-5
@@ -71,7 +71,7 @@ def hf_tiny(tiny_checkpoint):
 
 
 def test_every_compiled_bucket_reproduces_hugging_face(compiled_store, hf_tiny):
-    from pipeline.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_abi import BucketGraphs
 
     config, _ = compiled_store
     release = load_config(config)
@@ -161,7 +161,7 @@ def test_eager_decoder_matches_hugging_face(tmp_path, arch, extra):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_bucket_reproduces_hugging_face(tiny_checkpoint, write_config, hf_tiny):
-    from pipeline.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_abi import BucketGraphs
 
     config = write_config(
         """
@@ -186,7 +186,7 @@ def test_fused_projections_round_trip_and_keep_row_order(tmp_path):
     """q/k/v and gate/up stack in that order (the split in Attention.forward relies on it);
     unfusing gives Hugging Face's tensors back, also with GQA-padded head counts; a
     projection whose siblings are missing is left for the caller's name check."""
-    from pipeline.compile.backends.aoti import read_checkpoint
+    from pipeline.plan.checkpoint import read_checkpoint
 
     ckpt = write_tiny_model(tmp_path / "m", arch="qwen2", heads=8, kv_heads=2)  # qkv biases
     hf = read_checkpoint(ckpt)

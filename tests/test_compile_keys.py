@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.buckets import Bucket
 from pipeline.compile import keys
 from pipeline.compile.keys import bucket_cache_key, weights_digest
-from pipeline.config import load_config
+from pipeline.plan.buckets import Bucket
+from pipeline.plan.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = """
@@ -139,8 +139,9 @@ def test_missing_weights_is_a_clear_error(tmp_path):
 def test_keys_import_and_compute_without_torch(write_config):
     config = write_config(CONFIG)
     code = (
-        "import sys; from pipeline.config import load_config; "
-        "from pipeline.compile.keys import bucket_cache_key; from pipeline.buckets import Bucket; "
+        "import sys; from pipeline.plan.config import load_config; "
+        "from pipeline.compile.keys import bucket_cache_key; "
+        "from pipeline.plan.buckets import Bucket; "
         f"k = bucket_cache_key(load_config({str(config)!r}), Bucket(1, 32), 'cpu'); "
         "assert 'torch' not in sys.modules, 'torch imported'; print(k)"
     )

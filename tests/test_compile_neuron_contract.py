@@ -20,7 +20,7 @@ from pipeline.cli import app
 from pipeline.compile import backends
 from pipeline.compile.backends import resolve_backend
 from pipeline.compile.runner import compile_release
-from pipeline.config import load_config
+from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.cache import read_cache_entry
 
@@ -153,9 +153,9 @@ def test_neuron_contract_arguments_environment_and_outputs(sdk, config, tiny_che
 
 
 def test_neuron_contract_fp32_means_no_auto_cast(tmp_path):
-    from pipeline.buckets import Bucket
     from pipeline.compile.backends.base import BucketJob
     from pipeline.compile.backends.neuron import export_command
+    from pipeline.plan.buckets import Bucket
 
     job = BucketJob(tmp_path, Bucket(1, 128), 2, {}, "float32", (), "fp32", tmp_path / "out")
     argv = export_command(job, tmp_path / "out")

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.compile.runner import compile_release
 from pipeline.compile.shards import split
-from pipeline.config import load_config
+from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.cache import read_cache_entry
 from tests import compile_fakes

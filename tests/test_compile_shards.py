@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.buckets import BucketGrid
 from pipeline.compile.shards import by_cost, cost, parse_shard, shard, split
 from pipeline.errors import InputError
+from pipeline.plan.buckets import BucketGrid
 
 GRID = BucketGrid(batch_sizes=[1, 2, 4, 8], sequence_lengths=[128, 256, 512, 1024, 2048]).buckets()
 

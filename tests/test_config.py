@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config, load_grid
 from pipeline.errors import ConfigError
+from pipeline.plan.config import load_config, load_grid
 
 GOOD = """
 model:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.cuda_graphs import StaticGraph
+from pipeline.runtime.cuda_graphs import StaticGraph
 
 
 class ReplayRecorder:
@@ -73,8 +73,8 @@ def test_recorded_decode_session_equals_direct_calls_on_the_compiled_demo(demo_b
     """The session records decode before any prefill, on its own caches; a replayed decode
     gives the same logits and tokens as direct calls (wired wrong — another cache, a capture
     after prefill whose warmup overwrites position 0, inputs not copied — it would not)."""
-    from pipeline.decode_session import DecodeSession
-    from pipeline.graph_abi import BucketGraphs
+    from pipeline.runtime.decode_session import DecodeSession
+    from pipeline.runtime.graph_abi import BucketGraphs
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
     plain = DecodeSession(graphs)
@@ -97,8 +97,8 @@ def test_recorded_decode_session_equals_direct_calls_on_the_compiled_demo(demo_b
 
 
 def test_generate_stops_at_eos_like_a_step_by_step_loop(demo_buckets):
-    from pipeline.decode_session import DecodeSession
-    from pipeline.graph_abi import BucketGraphs
+    from pipeline.runtime.decode_session import DecodeSession
+    from pipeline.runtime.graph_abi import BucketGraphs
 
     session = DecodeSession(BucketGraphs(demo_buckets / "b2_s64"))
     prompts = [[5, 17, 42], [9, 9, 9, 9]]
@@ -114,8 +114,8 @@ def test_generate_stops_at_eos_like_a_step_by_step_loop(demo_buckets):
 def test_generate_fills_the_bucket_to_its_last_position(demo_buckets):
     """60 prompt tokens + 5 new in a 64-position bucket: the 5th token needs no cache slot.
     The greedy step (in-graph argmax fed back in place) equals a loop over decode logits."""
-    from pipeline.decode_session import DecodeSession
-    from pipeline.graph_abi import BucketGraphs
+    from pipeline.runtime.decode_session import DecodeSession
+    from pipeline.runtime.graph_abi import BucketGraphs
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
     prompts = [list(range(3, 63)), [7, 8]]

@@ -13,15 +13,15 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.config import load_grid
 from pipeline.errors import InputError
-from pipeline.fit import MAX_TARGET_BUCKETS, fit, pow2_buckets
+from pipeline.plan.config import load_grid
+from pipeline.plan.fit import MAX_TARGET_BUCKETS, fit, pow2_buckets
 
 runner = CliRunner()
 
 
 def computed(lengths, grid):
-    """Σ smallest bucket ≥ each length: the brute-force scorer, independent of pipeline.fit."""
+    """Σ smallest bucket ≥ each length: the brute-force scorer, independent of pipeline.plan.fit."""
     grid = sorted(grid)
     return sum(grid[bisect.bisect_left(grid, n)] for n in lengths)
 

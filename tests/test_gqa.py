@@ -1,7 +1,7 @@
 import pytest
 
 from pipeline.errors import PlanError
-from pipeline.gqa import plan_gqa, suggest_tp
+from pipeline.plan.gqa import plan_gqa
 
 
 def _summary(p):
@@ -27,14 +27,16 @@ def _summary(p):
         # Qwen2.5-14B-like 40/8 at tp 32
         (40, 8, 32, "auto", ("replicate_to_tp_degree", 64, 32, 4, 2, 1, "interleaved"), 24 / 64),
         # 32/8 at tp 12 cannot replicate: MHA, both padded at the tail to 36
-        (32, 8, 12, "convert_to_mha", ("convert_to_mha", 36, 36, 1, 3, 3, "tail"), 4 / 36),
-        (32, 8, 12, "auto", ("convert_to_mha", 36, 36, 1, 3, 3, "tail"), 4 / 36),
+        (32, 8, 12, "convert_to_mha", ("convert_to_mha", 36, 36, 4, 3, 3, "tail"), 4 / 36),
+        (32, 8, 12, "auto", ("convert_to_mha", 36, 36, 4, 3, 3, "tail"), 4 / 36),
+        # 64/8 at tp 12: each KV head repeated 8 times (64), then padded to 72
+        (64, 8, 12, "auto", ("convert_to_mha", 72, 72, 8, 6, 6, "tail"), 8 / 72),
         # tp 1 never pads
         (8, 2, 1, "auto", ("none", 8, 2, 1, 8, 2, "none"), 0.0),
         # the tiny model at tp 4: replicate 2 KV heads twice
         (8, 2, 4, "auto", ("replicate_to_tp_degree", 8, 4, 2, 2, 1, "none"), 0.0),
         # MHA forced where replication would have worked
-        (8, 2, 4, "convert_to_mha", ("convert_to_mha", 8, 8, 1, 2, 2, "none"), 0.0),
+        (8, 2, 4, "convert_to_mha", ("convert_to_mha", 8, 8, 4, 2, 2, "none"), 0.0),
     ],
 )
 def test_worked_examples(q, kv, tp, strategy, expected, waste):
@@ -90,9 +92,3 @@ def test_forced_replication_that_cannot_apply_is_an_error():
 def test_bad_numbers(q, kv, tp, match):
     with pytest.raises(PlanError, match=match):
         plan_gqa(q, kv, tp)
-
-
-def test_suggest_tp_orders_by_waste():
-    plans = suggest_tp(32, 8, [2, 8, 12, 24, 32])
-    assert [p.tp for p in plans][:3] == [32, 8, 2]
-    assert plans[-1].tp == 24

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 import transformers
 from typer.testing import CliRunner
 
-from pipeline import gqa_pad
-from pipeline.checkpoint import ModelShape, read_shape
 from pipeline.cli import app
+from pipeline.compile import gqa_pad
+from pipeline.compile.gqa_pad import CONFIG_KEY, pad_checkpoint, pad_tensor, padded_config
 from pipeline.errors import CheckpointError, InputError, UnsupportedArchitectureError
-from pipeline.gqa import GqaPlan, plan_gqa
-from pipeline.gqa_pad import CONFIG_KEY, pad_checkpoint, pad_tensor, padded_config
+from pipeline.plan.checkpoint import ModelShape, read_shape
+from pipeline.plan.gqa import GqaPlan, plan_gqa
 
 transformers.logging.set_verbosity_error()
 
@@ -386,7 +386,7 @@ def hwm():  # peak resident set size so far, bytes
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
 
-from pipeline.gqa_pad import pad_checkpoint
+from pipeline.compile.gqa_pad import pad_checkpoint
 import safetensors.torch, torch  # imported before the baseline
 torch.set_num_threads(1)  # small copies; threads only add contention on a busy CI machine
 base = hwm()

@@ -6,23 +6,20 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from pipeline import backends
 from pipeline.cli import app
-from pipeline.gqa import plan_gqa
-from pipeline.parity import (
-    RUNNERS,
-    TOLERANCES,
-    BucketParity,
-    _greedy_verdict,
-    _unpad,
-    prompt_lengths,
-    tolerance_dtype,
-)
+from pipeline.parity import TOLERANCES, BucketParity, prompt_lengths, tolerance_dtype
+from pipeline.parity.check import _greedy_verdict
+from pipeline.parity.reference import _unpad
+from pipeline.parity.runners import AotiRunner
+from pipeline.plan.gqa import plan_gqa
 
 
 def parity(*args: str):
@@ -108,7 +105,7 @@ class PerturbedRunner:
     untouched, so only the logit error can catch it."""
 
     def __init__(self, *args, **kwargs) -> None:
-        self.inner = RUNNERS_REAL["cpu"](*args, **kwargs)
+        self.inner = AotiRunner(*args, **kwargs)
         self.device = self.inner.device
 
     def session(self, bucket):
@@ -127,12 +124,10 @@ class PerturbedRunner:
         return Wrapped()
 
 
-RUNNERS_REAL = dict(RUNNERS)
-
-
 def test_perturbed_logits_fail_on_the_logit_error_alone(installed, monkeypatch):
     _, model_dir = installed
-    monkeypatch.setitem(RUNNERS, "cpu", PerturbedRunner)
+    spec = replace(backends.BACKENDS["cpu"], parity=f"{__name__}:PerturbedRunner")
+    monkeypatch.setitem(backends.BACKENDS, "cpu", spec)
     r = parity(model_dir, "--bucket", "b2_s32", "--json")
     assert r.exit_code == 1, r.output
     (bucket,) = json.loads(r.stdout)["buckets"]
@@ -186,7 +181,7 @@ def test_greedy_divergence_is_forgiven_only_at_a_near_tie():
 
 
 def test_nan_logits_fail():
-    from pipeline.parity import _failures
+    from pipeline.parity.check import _failures
 
     b = BucketParity("b1_s32", [1], prompts=1, rows=1, max_rel=float("nan"), top1=1.0)
     assert _failures(b, TOLERANCES["float32"]) == ["max relative logit error nan > 0.0001"]
@@ -194,8 +189,8 @@ def test_nan_logits_fail():
 
 @pytest.mark.parametrize(("q", "kv", "tp"), [(8, 2, 4), (6, 2, 4), (4, 4, 8), (8, 2, 3)])
 def test_unpad_inverts_the_gqa_padding(q, kv, tp):
-    from pipeline.checkpoint import ModelShape
-    from pipeline.gqa_pad import pad_tensor
+    from pipeline.compile.gqa_pad import pad_tensor
+    from pipeline.plan.checkpoint import ModelShape
 
     d, hidden = 4, 16
     plan = plan_gqa(q, kv, tp)
@@ -241,7 +236,7 @@ def test_cuda_release_passes_against_the_cuda_reference(compiled_cuda_release, t
 
 
 def test_a_top1_flip_is_excused_only_at_a_reference_near_tie():
-    from pipeline.parity import Tolerance, _near_tie
+    from pipeline.parity.check import Tolerance, _near_tie
 
     tol = Tolerance(max_rel=0.05, min_top1=0.9)
     row = torch.tensor([10.0, 9.5, 2.0])  # 2 × 0.05 × 10 = 1.0 of slack
@@ -253,7 +248,7 @@ def test_a_top1_flip_is_excused_only_at_a_reference_near_tie():
 def test_top1_is_gated_on_exact_agreement_and_counts_near_ties():
     """A flip at a near-tie still counts against top-1: excusing it would make the gate
     redundant (any flip under the logit tolerance is a near-tie by that bound)."""
-    from pipeline.parity import _failures
+    from pipeline.parity.check import _failures
 
     b = BucketParity("b1_s2048", [1], prompts=3, rows=27, max_rel=0.02, top1=24 / 27)
     b.top1_near_ties = 3

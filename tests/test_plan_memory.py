@@ -2,12 +2,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.buckets import Bucket
-from pipeline.checkpoint import read_shape
-from pipeline.config import load_config
-from pipeline.gqa import plan_gqa
-from pipeline.memory import kv_cache_bytes_per_core, weight_bytes_per_core
-from pipeline.plan import plan_release
+from pipeline.plan.buckets import Bucket
+from pipeline.plan.checkpoint import read_shape
+from pipeline.plan.config import load_config
+from pipeline.plan.gqa import plan_gqa
+from pipeline.plan.memory import kv_cache_bytes_per_core, weight_bytes_per_core
+from pipeline.plan.report import plan_release
 
 REPO = Path(__file__).resolve().parent.parent
 MiB, GiB = 1 << 20, 1 << 30

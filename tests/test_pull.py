@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.errors import InputError, IntegrityError, NotFoundError, StoreError
-from pipeline.pull import pull_release, with_retries
-from pipeline.release_dir import resolve_release
+from pipeline.install.installed import find_release
+from pipeline.install.pull import pull_release, with_retries
 from pipeline.store import open_store
 from pipeline.store.layout import blob_key, release_key
 from tests.release_factory import make_release, point_channel
@@ -44,7 +44,7 @@ def test_pull_installs_atomically_and_points_current(store, tmp_path):
     r = pull_release(store, "m", dest, version="v1")
     assert r.path == dest / "m" / "v1" and not r.already_installed
     assert os.readlink(dest / "m" / "current") == "v1"
-    assert resolve_release(dest / "m") == (dest / "m" / "v1").resolve()
+    assert find_release(dest / "m") == (dest / "m" / "v1").resolve()
     for name, bucket in m.buckets.items():
         for ref in bucket.files:
             assert (r.path / "buckets" / name / ref.path).stat().st_size == ref.size
@@ -144,7 +144,7 @@ def test_resume_after_sigkill_mid_download(store, tmp_path):
     script = textwrap.dedent(f"""
         import time, sys
         from pipeline.store import open_store
-        from pipeline.pull import pull_release
+        from pipeline.install.pull import pull_release
         store = open_store({store.url!r})
         slow = store.get_range
         def get_range(*a):
@@ -254,7 +254,7 @@ def test_pull_path_imports_no_torch():
         "import sys\n"
         "from pipeline.cli import app\n"
         "try:\n    app(['pull', '--help'])\nexcept SystemExit:\n    pass\n"
-        "import pipeline.pull, pipeline.store.s3\n"
+        "import pipeline.install.pull, pipeline.store.s3\n"
         "bad = [m for m in ('torch', 'transformers', 'numpy', 'safetensors') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.compile.shards import split
-from pipeline.config import load_config
+from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.layout import release_key
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.buckets import Bucket, select_bucket
 from pipeline.errors import InputError, IntegrityError, RuntimeMismatchError
+from pipeline.plan.buckets import Bucket, select_bucket
 
 GRID = [Bucket(b, s) for b in (1, 4, 8) for s in (128, 512, 2048)]
 
@@ -92,11 +92,11 @@ def test_lazy_load_and_warmup(installed):
 
     _, model_dir = installed
     model = BucketedModel.load(model_dir)
-    assert not model._graphs
+    assert not model.runner._graphs
     model.generate([[1, 2, 3]], 2)
-    assert list(model._graphs) == [Bucket(1, 32)]
+    assert list(model.runner._graphs) == [Bucket(1, 32)]
     model.warmup()
-    assert len(model._graphs) == 4 and len(model._weights) == 1  # one shared weight copy
+    assert len(model.runner._graphs) == 4 and len(model.runner._weights) == 1  # one shared weight copy
 
 
 def test_load_refuses_what_it_cannot_run(installed, tmp_path):
@@ -109,7 +109,7 @@ def test_load_refuses_what_it_cannot_run(installed, tmp_path):
     shutil.copytree(model_dir / "current", copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     for change, match in [
-        ({"backend": "neuron"}, "torch-neuronx"),
+        ({"backend": "neuron"}, "neuron"),
         ({"versions": {**manifest["versions"], "torch": "1.13.1"}}, "compiled with torch 1.13.1"),
     ]:
         (copy / "manifest.json").write_text(json.dumps({**manifest, **change}))
@@ -150,7 +150,7 @@ def test_weights_that_do_not_fit_the_graphs_are_one_clear_error(installed, tmp_p
     IntegrityError naming the missing weight, not a KeyError from deep in the loader."""
     from safetensors.torch import load_file, save_file
 
-    from pipeline.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_abi import BucketGraphs
 
     _, model_dir = installed
     bucket = next((model_dir / "current" / "buckets").iterdir())
@@ -166,7 +166,7 @@ def test_weights_that_do_not_fit_the_graphs_are_one_clear_error(installed, tmp_p
 
 
 def test_cuda_kernels_for_another_gpu_architecture_are_refused(monkeypatch, tmp_path):
-    from pipeline import graph_abi
+    from pipeline.runtime import graph_abi
 
     spec = graph_abi.GraphSpec(1, 32, 2, 2, 8, 512, "bfloat16", "cuda", cuda_arch="sm_90")
     monkeypatch.setattr(graph_abi, "cuda_arch", lambda device=None: "sm_89")

@@ -7,14 +7,14 @@ import json
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.config import load_config
+from pipeline.compile.release import publish_release
+from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.blobs import put_blob
 from pipeline.store.cache import read_cache_entry
 from pipeline.store.channels import promote
 from pipeline.store.gc import gc
 from pipeline.store.layout import BLOBS_PREFIX, blob_key
-from pipeline.store.publish import publish_release
 from pipeline.store.releases import list_releases, read_release
 from tests.store_helpers import bucket_files, fake_compile, fake_key, write_release_config
 

@@ -16,11 +16,11 @@ import yaml
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.config import load_config
+from pipeline.compile.release import publish_release
 from pipeline.errors import AlreadyExistsError, IntegrityError, MissingBucketsError
+from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.layout import blob_key, release_key
-from pipeline.store.publish import publish_release
 from pipeline.store.releases import read_release
 from tests.conftest import (
     FAKE_AWS_ACCESS_KEY_ID,
@@ -42,7 +42,7 @@ FILES_PER_BUCKET = 3
 @pytest.fixture
 def use_fake_keys(monkeypatch):
     """The CLI resolves compile's key function; point it at the test's."""
-    import pipeline.store.publish as publish_mod
+    import pipeline.compile.release as publish_mod
 
     monkeypatch.setattr(publish_mod, "default_key_fn", lambda: fake_key)
 

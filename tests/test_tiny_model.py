@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.checkpoint import read_shape
+from pipeline.plan.checkpoint import read_shape
 from pipeline.tiny_model import write_tiny_model
 
 

@@ -13,7 +13,7 @@ from pipeline.errors import (
     TraceNotFoundError,
     TraceValueError,
 )
-from pipeline.traces import read_lengths
+from pipeline.plan.traces import read_lengths
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/AzureLLMInferenceTrace_conv.csv"
 runner = CliRunner()

@@ -17,7 +17,7 @@ def show(
     grid: Annotated[Path, typer.Argument(help="Grid file (buckets/*.yaml).")], json: JsonOpt = False
 ) -> None:
     """List the buckets of a grid file."""
-    from pipeline.config import load_grid
+    from pipeline.plan.config import load_grid
 
     buckets = load_grid(grid).buckets()
     if json:
@@ -56,11 +56,11 @@ def fit(
     json: JsonOpt = False,
 ) -> None:
     """Fit sequence-length buckets to a request trace (exactly optimal), against baselines."""
-    from pipeline.buckets import write_grid
     from pipeline.errors import InputError
-    from pipeline.fit import fit as fit_buckets
-    from pipeline.fit import grid_comment, to_grid
-    from pipeline.traces import read_lengths
+    from pipeline.plan.buckets import write_grid
+    from pipeline.plan.fit import fit as fit_buckets
+    from pipeline.plan.fit import grid_comment, to_grid
+    from pipeline.plan.traces import read_lengths
 
     if (max_buckets is None) == (target_efficiency is None):
         raise InputError(
@@ -81,7 +81,7 @@ def fit(
     if out is not None:
         write_grid(to_grid(result, sizes), out, comment=grid_comment(result, source))
     if plot is not None:
-        from pipeline.fit_plot import plot_fit
+        from pipeline.plan.fit_plot import plot_fit
 
         plot_fit(result, lengths, plot, title=source)
     if json:

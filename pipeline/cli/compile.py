@@ -49,16 +49,16 @@ def compile_(
     download: Annotated[
         bool, typer.Option("--download", help="Also fetch cache hits into the workdir.")
     ] = False,
-    json_: JsonOpt = False,
+    json: JsonOpt = False,
 ) -> None:
     """Compile every bucket that is not in the cache; a summary table, or --json."""
     from pipeline.compile.shards import parse_shard
-    from pipeline.config import load_config
+    from pipeline.plan.config import load_config
 
     release = load_config(config)
     index, count = _shard(shard, shard_count, parse_shard)
-    report = _compile(release, backend, jobs, (index, count), workdir, store, download, json_)
-    if json_:
+    report = _compile(release, backend, jobs, (index, count), workdir, store, download, json)
+    if json:
         print_json(report.to_dict())
     _raise_if_failed(report)
 
@@ -72,22 +72,22 @@ def release(
     version: Annotated[
         str | None, typer.Option("--version", help="Default: UTC date + content digest.")
     ] = None,
-    json_: JsonOpt = False,
+    json: JsonOpt = False,
 ) -> None:
     """Compile every bucket (cache hits are free), then publish the release."""
-    from pipeline.config import load_config
-    from pipeline.store.publish import publish_release
+    from pipeline.compile.release import publish_release
+    from pipeline.plan.config import load_config
 
     rel = load_config(config)
     if store:  # one store for both: the cache compile fills is the one publish reads
         rel = replace(rel, config=rel.config.model_copy(update={"store": store}))
-    report = _compile(rel, backend, jobs, (0, 1), workdir, None, False, json_)
+    report = _compile(rel, backend, jobs, (0, 1), workdir, None, False, json)
     if report.failed:
-        if json_:
+        if json:
             print_json({"compile": report.to_dict(), "publish": None})
         _raise_if_failed(report)
     result = publish_release(rel, version=version, backend=report.backend)
-    if json_:
+    if json:
         print_json({"compile": report.to_dict(), "publish": result.to_dict()})
     else:
         state = "published" if result.created else "already published"
@@ -97,7 +97,7 @@ def release(
         )
 
 
-def _compile(release, backend, jobs, shard, workdir, store, download, json_):
+def _compile(release, backend, jobs, shard, workdir, store, download, json):
     from rich.console import Console
 
     from pipeline.compile.progress import make_progress, summary_table
@@ -114,7 +114,7 @@ def _compile(release, backend, jobs, shard, workdir, store, download, json_):
             download=download,
             on_event=progress,
         )
-    if not json_:
+    if not json:
         Console().print(summary_table(report))
     return report
 

@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
 
 def validate(config: ConfigArg, json: JsonOpt = False) -> None:
     """Check a release config and its bucket grid; exit 2 with file:line on the first error."""
-    from pipeline.config import load_config
+    from pipeline.plan.config import load_config
 
     release = load_config(config)
     if json:
@@ -34,8 +34,8 @@ def validate(config: ConfigArg, json: JsonOpt = False) -> None:
 
 def plan(config: ConfigArg, json: JsonOpt = False) -> None:
     """Report the bucket grid, GQA padding and HBM per NeuronCore for a release config."""
-    from pipeline.config import load_config
-    from pipeline.plan import plan_release
+    from pipeline.plan.config import load_config
+    from pipeline.plan.report import plan_release
 
     p = plan_release(load_config(config))
     if json:

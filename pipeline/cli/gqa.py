@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli._common import JsonOpt, human_bytes, new_app, print_json
-from pipeline.config import DTYPE_ALIASES, DTYPE_BYTES
+from pipeline.plan.config import DTYPE_ALIASES, DTYPE_BYTES
 
 app = new_app("Plan and apply GQA head padding for tensor parallelism.")
 
@@ -28,7 +28,7 @@ def plan(
 ) -> None:
     """Plan query/KV head padding so each rank holds whole heads (NxD Inference rules)."""
     from pipeline.errors import InputError
-    from pipeline.gqa import plan_gqa
+    from pipeline.plan.gqa import plan_gqa
 
     if strategy not in ("auto", "replicate_to_tp_degree", "convert_to_mha"):
         raise InputError(
@@ -68,7 +68,7 @@ def pad(
     json: JsonOpt = False,
 ) -> None:
     """Write a copy of a checkpoint with heads padded so each rank holds whole heads."""
-    from pipeline.gqa_pad import pad_checkpoint
+    from pipeline.compile.gqa_pad import pad_checkpoint
 
     p = pad_checkpoint(model_dir, out, tp, strategy, overwrite=overwrite)
     if json:

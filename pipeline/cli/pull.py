@@ -14,8 +14,6 @@ import typer
 
 from pipeline.cli._common import JsonOpt, StoreOpt, human_bytes, print_json
 
-DEFAULT_STORE = "artifacts"
-
 
 def register(app: typer.Typer) -> None:
     app.command("pull")(pull)
@@ -31,11 +29,11 @@ def pull(
     json: JsonOpt = False,
 ) -> None:
     """Download a release (parallel ranged GETs, sha256-verified) and install it atomically."""
-    from pipeline.pull import pull_release
+    from pipeline.install.pull import pull_release
     from pipeline.store import open_store
 
     result = pull_release(
-        open_store(store or DEFAULT_STORE),
+        open_store(store),
         model,
         dest,
         version=version,

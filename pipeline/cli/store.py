@@ -16,7 +16,6 @@ from typing import Annotated
 import typer
 
 from pipeline.cli._common import JsonOpt, StoreOpt, human_bytes, print_json
-from pipeline.config import DEFAULT_STORE
 
 ModelArg = Annotated[str, typer.Argument(help="Model name (the config's model.name).")]
 ChannelOpt = Annotated[
@@ -36,7 +35,7 @@ def register(app: typer.Typer) -> None:
 def _open(url: str | None):
     from pipeline.store import open_store
 
-    return open_store(url or DEFAULT_STORE)
+    return open_store(url)
 
 
 def publish(
@@ -60,8 +59,8 @@ def publish(
     json: JsonOpt = False,
 ) -> None:
     """Publish compiled buckets as an immutable release: missing blobs, then the manifest."""
-    from pipeline.config import load_config
-    from pipeline.store.publish import publish_release
+    from pipeline.compile.release import publish_release
+    from pipeline.plan.config import load_config
 
     release = load_config(config)
     dest = _open(store) if store else None

@@ -7,5 +7,5 @@
 - ``backends``: cpu/cuda (AOTInductor) and neuron (optimum-cli) behind one interface
 - ``decoder``: the exportable Llama/Mistral/Qwen2 decoder behind the cpu/cuda graphs
 
-The graph contract the runtime relies on is ``pipeline.graph_abi``.
+The graph contract the runtime relies on is ``pipeline.runtime.graph_abi``.
 """

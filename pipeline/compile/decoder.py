@@ -2,7 +2,7 @@
 
 Why not the Hugging Face module: its caches are module buffers, so a prefill graph and a
 decode graph compiled separately could not share one cache. Here the caches are explicit
-inputs that both graphs update in place (see ``pipeline.graph_abi``).
+inputs that both graphs update in place (see ``pipeline.runtime.graph_abi``).
 
 Parameter names are Hugging Face's (``model.layers.0.self_attn.o_proj.weight`` ...), except
 that the projections that read the same input are fused, as vLLM and gpt-fast do: q/k/v into
@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import UnsupportedArchitectureError
+from pipeline.plan.checkpoint import ARCHITECTURES
 
-# model_type -> the prefix of its transformers classes (for the rotary module).
-ARCHS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 # Rope types whose frequencies change with the sequence length at run time.
 DYNAMIC_ROPE = {"dynamic", "longrope"}
 
@@ -218,17 +217,17 @@ def rope_frequencies(cfg: Any) -> tuple[Tensor, float]:
         f"transformers.models.{cfg.model_type}.modeling_{cfg.model_type}"
     )
     with torch.device("cpu"):  # real numbers even when the decoder is built on "meta"
-        rotary = getattr(module, f"{ARCHS[cfg.model_type]}RotaryEmbedding")(cfg)
+        rotary = getattr(module, f"{ARCHITECTURES[cfg.model_type].hf_prefix}RotaryEmbedding")(cfg)
     return rotary.inv_freq.float(), float(rotary.attention_scaling)
 
 
 def check_supported(cfg: Any) -> None:
     where = getattr(cfg, "_name_or_path", "") or "config.json"
-    if cfg.model_type not in ARCHS:
+    if cfg.model_type not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             where,
             f"model_type '{cfg.model_type}' cannot be compiled by the cpu/cuda backends",
-            f"supported: {', '.join(sorted(ARCHS))}",
+            f"supported: {', '.join(sorted(ARCHITECTURES))}",
         )
     params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -333,7 +332,7 @@ def from_checkpoint(model_dir: Any, graph: type = Decoder, dtype: torch.dtype = 
     """An eager ``graph`` with the checkpoint's weights (for parity checks and debugging)."""
     from transformers import AutoConfig
 
-    from pipeline.compile.backends.aoti import read_checkpoint
+    from pipeline.plan.checkpoint import read_checkpoint
 
     cfg = AutoConfig.from_pretrained(model_dir)
     decoder = build(cfg, dtype, "cpu", graph)

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline._files import atomic_write_text, sha256_file
-from pipeline.buckets import Bucket
-from pipeline.config import Release
 from pipeline.errors import CheckpointError
-from pipeline.plan import release_gqa_plan
+from pipeline.plan.buckets import Bucket
+from pipeline.plan.config import Release
+from pipeline.plan.report import release_gqa_plan
 
 # Bump when what a backend writes for the same inputs changes (graph ABI, file layout).
 FORMAT_VERSION = 2

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from pipeline._files import atomic_write_text
-from pipeline.buckets import Bucket
 from pipeline.compile import shards
 from pipeline.compile.backends import backend_path, get_backend, resolve_backend
 from pipeline.compile.backends.base import BucketJob
@@ -36,9 +35,10 @@ from pipeline.compile.keys import (
     model_config_digest,
     weights_digest,
 )
-from pipeline.config import Release
 from pipeline.errors import InputError
-from pipeline.plan import release_gqa_plan
+from pipeline.plan.buckets import Bucket
+from pipeline.plan.config import Release
+from pipeline.plan.report import release_gqa_plan
 from pipeline.store import open_store
 from pipeline.store.base import Store
 from pipeline.store.blobs import FileRef, put_blob
@@ -457,11 +457,11 @@ def _replace_dir(src: Path, dest: Path) -> None:
 
 def _pad(src: Path, out: Path, tp: int, strategy: str) -> None:
     try:
-        from pipeline.gqa_pad import pad_checkpoint
+        from pipeline.compile.gqa_pad import pad_checkpoint
     except ImportError:
         raise InputError(
             "GQA padding",
-            f"tp {tp} needs the padded checkpoint, and pipeline.gqa_pad is not available",
+            f"tp {tp} needs the padded checkpoint, and pipeline.compile.gqa_pad is not available",
             "install inf2-pipeline[torch]",
         ) from None
     pad_checkpoint(src, out, tp, strategy)

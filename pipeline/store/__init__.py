@@ -19,10 +19,14 @@ def _s3(url: str, **kw) -> Store:
 
 
 REGISTRY = {"file": LocalStore.from_url, "s3": _s3}
+# Where releases go and come from when neither a config nor --store names a store.
+DEFAULT_STORE = "artifacts"
 
 
-def open_store(url: str, **kw) -> Store:
-    """Open ``url``: a plain path, ``file://PATH`` or ``s3://BUCKET/PREFIX``."""
+def open_store(url: str | None = None, **kw) -> Store:
+    """Open ``url``: a plain path, ``file://PATH`` or ``s3://BUCKET/PREFIX`` (default:
+    ``DEFAULT_STORE``)."""
+    url = url or DEFAULT_STORE
     scheme = url.split("://", 1)[0] if "://" in url else "file"
     try:
         factory = REGISTRY[scheme]
@@ -35,4 +39,4 @@ def open_store(url: str, **kw) -> Store:
     return factory(url, **kw)
 
 
-__all__ = ["REGISTRY", "Store", "open_store"]
+__all__ = ["DEFAULT_STORE", "REGISTRY", "Store", "open_store"]

@@ -35,3 +35,8 @@ def put_blob(store: Store, local: Path, rel_path: str) -> tuple[FileRef, bool]:
 def get_blob(store: Store, ref: FileRef, dest: Path) -> None:
     """Download a blob to ``dest`` (through a temporary name)."""
     store.get_file(blob_key(ref.sha256), dest)
+
+
+def file_ref(path: Path, rel_path: str) -> FileRef:
+    """The ref of a local file: its digest and size, named ``rel_path``."""
+    return FileRef(path=rel_path, sha256=sha256_file(path), size=path.stat().st_size)

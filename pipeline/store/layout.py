@@ -6,7 +6,9 @@ import re
 
 from pipeline.errors import InputError
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Model, version and channel names: safe as one path segment and as one S3 key segment.
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+_NAME = re.compile(NAME_PATTERN)
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.errors import RuntimeMismatchError, StoreError
+from pipeline.errors import ManifestError, RuntimeMismatchError
 from pipeline.store.blobs import FileRef
 
 MANIFEST_SCHEMA = 1
@@ -72,12 +72,18 @@ class Manifest(BaseModel):
 
 
 def parse_manifest(data: bytes, what: str) -> Manifest:
-    """Validate stored manifest bytes; a newer schema is a clear error, not a crash."""
+    """Validate stored manifest bytes: the one manifest reader (store, pull, runtime, parity).
+
+    A newer schema is "upgrade inf2-pipeline"; any other defect is one ``ManifestError``
+    line naming the first bad field. Both exit 2: no retry can fix a manifest.
+    """
     try:
         raw = json.loads(data)
     except ValueError as e:
-        raise StoreError(what, f"unreadable manifest: {e}", None) from None
-    schema = raw.get("schema_version") if isinstance(raw, dict) else None
+        raise ManifestError(what, f"not valid JSON ({e})", REPUBLISH) from None
+    if not isinstance(raw, dict):
+        raise ManifestError(what, "not a JSON object", REPUBLISH)
+    schema = raw.get("schema_version")
     if isinstance(schema, int) and schema > MANIFEST_SCHEMA:
         raise RuntimeMismatchError(
             what,
@@ -87,4 +93,19 @@ def parse_manifest(data: bytes, what: str) -> Manifest:
     try:
         return Manifest.model_validate(raw)
     except ValidationError as e:
-        raise StoreError(what, f"invalid manifest: {e.errors()[0]['msg']}", None) from None
+        raise ManifestError(what, _first_problem(e), REPUBLISH) from None
+
+
+REPUBLISH = "the manifest is malformed; republish the release"
+
+
+def _first_problem(e: ValidationError) -> str:
+    """pydantic's first error as 'field F: why' on one line (no URL), plus how many more."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    field = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    why = {"missing": "missing", "extra_forbidden": "unknown field"}.get(
+        first["type"], str(first["msg"]).splitlines()[0]
+    )
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"field '{field}': {why}{more}"

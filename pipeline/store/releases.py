@@ -18,6 +18,11 @@ READ_CONCURRENCY = 16
 
 
 def read_release(store: Store, model: str, version: str) -> Manifest:
+    return read_release_bytes(store, model, version)[0]
+
+
+def read_release_bytes(store: Store, model: str, version: str) -> tuple[Manifest, bytes]:
+    """The manifest and its stored bytes (pull installs them verbatim)."""
     key = release_key(model, version)
     try:
         data = store.get_bytes(key)
@@ -27,26 +32,32 @@ def read_release(store: Store, model: str, version: str) -> Manifest:
             f"not found in {store.url}",
             f"see 'inf2-pipeline list {model} --store {store.url}'",
         ) from None
-    return parse_manifest(data, f"{store.url}/{key}")
+    return parse_manifest(data, f"release {model} {version} ({store.url}/{key})"), data
+
+
+def resolve_version(
+    store: Store, model: str, version: str | None = None, channel: str | None = None
+) -> str:
+    """The version named, or the one ``channel`` points at (exactly one of the two)."""
+    if (version is None) == (channel is None):
+        raise InputError(model, "give exactly one of --version or --channel", None)
+    if channel is None:
+        return version
+    pointer = read_channel(store, model, channel)
+    if pointer is None:
+        raise NotFoundError(
+            f"channel '{channel}' of model '{model}'",
+            f"not found in {store.url}",
+            f"promote a release first: 'inf2-pipeline promote {model} VERSION --channel {channel}'",
+        )
+    return pointer.version
 
 
 def resolve_release(
     store: Store, model: str, version: str | None = None, channel: str | None = None
 ) -> Manifest:
     """The release named by ``version`` or pointed at by ``channel`` (exactly one)."""
-    if channel is not None:
-        pointer = read_channel(store, model, channel)
-        if pointer is None:
-            raise NotFoundError(
-                f"channel '{channel}' of model '{model}'",
-                f"not found in {store.url}",
-                f"promote a release first: 'inf2-pipeline promote {model} VERSION "
-                f"--channel {channel}'",
-            )
-        version = pointer.version
-    if version is None:
-        raise InputError(model, "no release named", "give a VERSION or --channel NAME")
-    return read_release(store, model, version)
+    return read_release(store, model, resolve_version(store, model, version, channel))
 
 
 def list_models(store: Store) -> list[str]:
@@ -100,5 +111,7 @@ __all__ = [
     "list_releases",
     "list_versions",
     "read_release",
+    "read_release_bytes",
     "resolve_release",
+    "resolve_version",
 ]

@@ -1,56 +1,44 @@
-"""Compile backends by name: a registry behind the small interface in ``base``.
+"""Compile backends by name, from the one backend table (``pipeline.backends``).
 
-Entries are import paths, so listing or resolving backends imports neither torch nor the
-Neuron SDK, and a worker process can rebuild any backend (tests register their own).
+A worker process rebuilds any backend from its import path (tests register their own).
 """
 
 from __future__ import annotations
 
-import importlib
-
+from pipeline import backends as table
+from pipeline.backends import AUTO_ORDER
 from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
-from pipeline.errors import BackendUnavailableError, InputError
-
-REGISTRY: dict[str, str] = {
-    "cpu": "pipeline.compile.backends.aoti:CpuBackend",
-    "cuda": "pipeline.compile.backends.aoti:CudaBackend",
-    "neuron": "pipeline.compile.backends.neuron:NeuronBackend",
-}
-# What `auto` tries, in order; cpu always works.
-AUTO_ORDER = ("neuron", "cuda", "cpu")
+from pipeline.errors import BackendUnavailableError
 
 _instances: dict[str, Backend] = {}
 
 
 def register(name: str, target: str | type[Backend]) -> None:
-    """Add a backend: ``"module:Class"`` or the class itself (must be importable by name)."""
+    """Add a compile backend: ``"module:Class"`` or the class itself (importable by name)."""
     if not isinstance(target, str):
         target = f"{target.__module__}:{target.__qualname__}"
-    REGISTRY[name] = target
+    table.register(name, target)
     _instances.pop(name, None)
 
 
 def unregister(name: str) -> None:
-    REGISTRY.pop(name, None)
+    table.unregister(name)
     _instances.pop(name, None)
 
 
 def get_backend(name: str) -> Backend:
-    if name not in REGISTRY:
-        raise InputError(f"backend '{name}'", "unknown", f"use one of: auto, {', '.join(REGISTRY)}")
     if name not in _instances:
-        _instances[name] = load_backend(REGISTRY[name])
+        _instances[name] = load_backend(table.spec(name).compiler)
     return _instances[name]
 
 
 def load_backend(path: str) -> Backend:
     """Instantiate ``"module:Class"``."""
-    module, _, cls = path.partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    return table.load(path)()
 
 
 def backend_path(name: str) -> str:
-    return REGISTRY[name]
+    return table.spec(name).compiler
 
 
 def resolve_backend(name: str) -> str:
@@ -65,7 +53,6 @@ def resolve_backend(name: str) -> str:
 
 
 __all__ = [
-    "REGISTRY",
     "Backend",
     "BucketJob",
     "BucketOutput",

@@ -2,7 +2,7 @@
 
 Per bucket: export ``decoder.Prefill`` and ``decoder.Decode`` with static shapes, compile
 each with ``aoti_compile_and_package`` into ``prefill.pt2`` / ``decode.pt2``, and describe
-them in ``graph.json`` (``pipeline.graph_abi``). Weights stay out of the packages
+them in ``graph.json`` (``pipeline.runtime.graph_abi``). Weights stay out of the packages
 (``package_constants_in_so=False``): ``prepare`` writes them once per run into
 ``weights.safetensors``, shared by every bucket, and export runs on uninitialised tensors.
 
@@ -26,7 +26,8 @@ from typing import Any
 
 from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
 from pipeline.errors import CheckpointError, InputError
-from pipeline.graph_abi import (
+from pipeline.plan.checkpoint import read_checkpoint
+from pipeline.runtime.graph_abi import (
     DECODE_FILE,
     GRAPH_FILE,
     PREFILL_FILE,
@@ -270,20 +271,6 @@ def check_loads(package: Path) -> None:
     print(f"{package.name}: checking that it loads with {cxx_identity()}", flush=True)
     aoti_load_package(str(package))
     print(f"{package.name}: loads", flush=True)
-
-
-def read_checkpoint(model_dir: Path) -> dict[str, Any]:
-    """Every tensor of a Hugging Face checkpoint (safetensors, else PyTorch .bin files)."""
-    import torch
-    from safetensors.torch import load_file
-
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if files:
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
-    files = sorted(Path(model_dir).glob("*.bin"))
-    if not files:
-        raise CheckpointError(str(model_dir), "no *.safetensors or *.bin weights", None)
-    return {k: v for f in files for k, v in torch.load(f, weights_only=True).items()}
 
 
 def _link(src: Path, dest: Path) -> None:

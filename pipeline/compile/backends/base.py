@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.buckets import Bucket
+from pipeline.plan.buckets import Bucket
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ that feed it its own output: the next token becomes the input, positions advance
 the token is written at its position into ``generated``, a [B, S+1] buffer of the session. So
 generating N tokens is N calls of one step with no host work in between.
 
-On cuda that step is recorded as a CUDA graph (``pipeline.cuda_graphs``) when the session is
+On cuda that step is recorded as a CUDA graph (``pipeline.runtime.cuda_graphs``) when the session is
 made: the caches are allocated here and captured by address before any prefill has filled
 them, so the capture's warmup calls can only overwrite zeros. Each token is then one replay,
 with no copy in or out. Prefill stays an ordinary call (compute-bound, once per request).
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipeline.cuda_graphs import Recorder, StaticGraph
-from pipeline.graph_abi import BucketGraphs
+from pipeline.runtime.cuda_graphs import Recorder, StaticGraph
+from pipeline.runtime.graph_abi import BucketGraphs
 
 EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}  # steps between host syncs (cpu has nothing to queue)
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pipeline.checkpoint import ModelShape, read_shape
-from pipeline.config import DTYPE_BYTES
 from pipeline.errors import CheckpointError, InputError, UnsupportedArchitectureError
-from pipeline.gqa import GqaPlan, plan_gqa
+from pipeline.plan.checkpoint import ModelShape, read_shape
+from pipeline.plan.config import DTYPE_BYTES
+from pipeline.plan.gqa import GqaPlan, plan_gqa
 
 if TYPE_CHECKING:
     import torch

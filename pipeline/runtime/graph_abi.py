@@ -132,7 +132,7 @@ def load_graph(
     """Load one .pt2 and bind the shared weights to it (no copy: user-managed constants).
 
     ``single_threaded``: run without the package's locks and CUDA events, which CUDA graph
-    capture forbids (``pipeline.cuda_graphs``); the caller must not call it concurrently."""
+    capture forbids (``pipeline.runtime.cuda_graphs``); the caller must not call it concurrently."""
     import torch
     from torch._inductor import aoti_load_package
 

@@ -86,7 +86,9 @@ def plan_gqa(
         chosen: Strategy = "none"
         kvp, rep, q_pad = kv_heads, 1, "none"
     elif strategy == "convert_to_mha" or (strategy == "auto" and tp % kv_heads):
-        chosen, kvp, rep = "convert_to_mha", qp, 1
+        # Each KV head is repeated once per query head of its group (q/kv times); the
+        # repeated heads are then tail-padded to qp with the query heads.
+        chosen, kvp, rep = "convert_to_mha", qp, q_heads // kv_heads
         q_pad = "none" if qp == q_heads else "tail"
     elif tp % kv_heads == 0:
         chosen, kvp, rep = "replicate_to_tp_degree", tp, tp // kv_heads
@@ -115,9 +117,3 @@ def plan_gqa(
         wasted_attention_fraction=(qp - q_heads) / qp,
         kv_cache_bytes_per_token=kv_bytes,
     )
-
-
-def suggest_tp(q_heads: int, kv_heads: int, candidates: list[int]) -> list[GqaPlan]:
-    """Auto plans for each candidate tp, least wasted attention first, then larger tp."""
-    plans = [plan_gqa(q_heads, kv_heads, tp) for tp in candidates]
-    return sorted(plans, key=lambda p: (p.wasted_attention_fraction, -p.tp))

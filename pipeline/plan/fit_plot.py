@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline._files import atomic_write_bytes
 from pipeline.errors import InputError
-from pipeline.fit import FitResult
+from pipeline.plan.fit import FitResult
 
 
 def plot_fit(result: FitResult, lengths: Sequence[int], path: Path, title: str = "") -> None:

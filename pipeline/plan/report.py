@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.checkpoint import ModelShape, read_shape
-from pipeline.config import DTYPE_BYTES, Release
 from pipeline.errors import PlanError
-from pipeline.gqa import GqaPlan, plan_gqa
-from pipeline.instances import INSTANCES, Instance
-from pipeline.memory import BucketMemory, bucket_memory
+from pipeline.plan.checkpoint import ModelShape, read_shape
+from pipeline.plan.config import DTYPE_BYTES, Release
+from pipeline.plan.gqa import GqaPlan, plan_gqa
+from pipeline.plan.instances import INSTANCES, Instance
+from pipeline.plan.memory import BucketMemory, bucket_memory
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipeline.buckets import Bucket
-from pipeline.checkpoint import ModelShape
-from pipeline.gqa import GqaPlan
+from pipeline.plan.buckets import Bucket
+from pipeline.plan.checkpoint import ModelShape
+from pipeline.plan.gqa import GqaPlan
 
 
 @dataclass(frozen=True)

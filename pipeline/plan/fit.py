@@ -22,8 +22,8 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from pipeline.buckets import BucketGrid
 from pipeline.errors import InputError
+from pipeline.plan.buckets import BucketGrid
 
 # Each bucket is a compiled graph (minutes to hours of neuronx-cc); a target that needs more
 # is a sign to lower it, and the layered search is O(buckets × candidates).

@@ -12,19 +12,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline import backends
 from pipeline._yaml import Located, load_yaml
-from pipeline.buckets import Bucket, BucketGrid, PositiveInt
 from pipeline.errors import ConfigError
-from pipeline.instances import INSTANCES
+from pipeline.plan.buckets import Bucket, BucketGrid, PositiveInt
+from pipeline.plan.instances import INSTANCES
+from pipeline.store import DEFAULT_STORE
+from pipeline.store.layout import NAME_PATTERN
 
-Backend = Literal["auto", "neuron", "cuda", "cpu"]
 GqaStrategy = Literal["auto", "replicate_to_tp_degree", "convert_to_mha"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DEFAULT_STORE = "artifacts"
 
-Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+Name = Annotated[str, Field(pattern=NAME_PATTERN)]
 
 
 class _Section(BaseModel):
@@ -44,10 +45,17 @@ class ModelSection(_Section):
 
 
 class TargetSection(_Section):
-    backend: Backend = "auto"
+    backend: str = "auto"
     instance_type: str = "inf2.xlarge"
     tp_degree: PositiveInt = 1
     gqa_strategy: GqaStrategy = "auto"
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        if v != "auto" and v not in backends.BACKENDS:
+            raise ValueError(f"unknown backend '{v}'; allowed: auto, {', '.join(backends.names())}")
+        return v
 
     @field_validator("instance_type")
     @classmethod

@@ -12,7 +12,6 @@ and ``current`` untouched. This module imports no torch: it must start fast in a
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -26,12 +25,12 @@ from pathlib import Path
 
 from pipeline._files import sha256_file
 from pipeline._progress import ByteProgress, byte_progress
-from pipeline.errors import IntegrityError, NotFoundError, PipelineError, StoreError
-from pipeline.release_dir import CURRENT, MANIFEST, release_files
+from pipeline.errors import IntegrityError, PipelineError, StoreError
+from pipeline.install.installed import CURRENT, MANIFEST, release_files
 from pipeline.store.base import Store
 from pipeline.store.blobs import FileRef
-from pipeline.store.layout import blob_key, channel_key, release_key
-from pipeline.store.manifest import Manifest
+from pipeline.store.layout import blob_key
+from pipeline.store.releases import read_release_bytes, resolve_version
 
 DEFAULT_CHUNK = 16 << 20  # per ranged GET: large enough to amortise a request, small to parallelise
 RETRIES = 6
@@ -52,45 +51,6 @@ class PullResult:
         return {**self.__dict__, "path": str(self.path)}
 
 
-def resolve_version(store: Store, model: str, version: str | None, channel: str | None) -> str:
-    if (version is None) == (channel is None):
-        from pipeline.errors import InputError
-
-        raise InputError("pull", "give exactly one of --version or --channel", None)
-    if version is not None:
-        return version
-    try:
-        data = json.loads(store.get_bytes(channel_key(model, channel)))
-        return str(data["version"])
-    except NotFoundError:
-        raise NotFoundError(
-            f"channel '{channel}' of model '{model}'",
-            f"not found in {store.url}",
-            "check the name with 'inf2-pipeline list MODEL'",
-        ) from None
-    except (ValueError, KeyError):
-        raise StoreError(
-            f"channel '{channel}' of model '{model}'",
-            "unreadable pointer file",
-            "re-promote the channel",
-        ) from None
-
-
-def read_manifest(store: Store, model: str, version: str) -> tuple[Manifest, bytes]:
-    try:
-        raw = store.get_bytes(release_key(model, version))
-    except NotFoundError:
-        raise NotFoundError(
-            f"release {model} {version}",
-            f"not found in {store.url}",
-            "check the version with 'inf2-pipeline list MODEL'",
-        ) from None
-    try:
-        return Manifest.model_validate_json(raw), raw
-    except ValueError as e:
-        raise StoreError(f"release {model} {version}", f"unreadable manifest: {e}", None) from None
-
-
 def pull_release(
     store: Store,
     model: str,
@@ -103,7 +63,7 @@ def pull_release(
 ) -> PullResult:
     start = time.monotonic()
     version = resolve_version(store, model, version, channel)
-    manifest, raw = read_manifest(store, model, version)
+    manifest, raw = read_release_bytes(store, model, version)
     files = release_files(manifest)  # refuses paths that leave the release directory
     model_dir = Path(dest) / model
     final = model_dir / version
@@ -282,4 +242,4 @@ def with_retries(fn: Callable[[], bytes], attempts: int = RETRIES, base: float =
     raise AssertionError("unreachable")
 
 
-__all__ = ["PullResult", "pull_release", "read_manifest", "resolve_version", "with_retries"]
+__all__ = ["PullResult", "pull_release", "with_retries"]

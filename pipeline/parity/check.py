@@ -21,30 +21,24 @@ The reference's weights come from one of two places:
   against the manifest's sha256) with the GQA head padding undone, upcast to fp32. This checks
   the compiled graphs and the runtime on exactly the weights they run with.
 
-A release runs through whatever runtime can load it (``RUNNERS``, by backend); a neuron
-release needs the Neuron runtime and says so plainly where it is absent.
+A release runs through its backend's parity runner (the backend table, ``pipeline.backends``);
+a neuron release needs the Neuron runtime and says so plainly where it is absent.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from pipeline._files import atomic_write_text, sha256_file
-from pipeline.errors import (
-    BackendUnavailableError,
-    InputError,
-    IntegrityError,
-    RuntimeMismatchError,
-)
-from pipeline.graph_abi import WEIGHTS_FILE
-from pipeline.release_dir import BUCKETS, MANIFEST, release_files, resolve_release
+from pipeline import backends
+from pipeline._files import atomic_write_text
+from pipeline.errors import InputError, RuntimeMismatchError
+from pipeline.install.installed import open_installed, verify_files
+from pipeline.parity.reference import Reference, reference_device
+from pipeline.parity.runners import BucketRunner
 from pipeline.store.manifest import Manifest
 
 DEFAULT_STEPS = 8
@@ -65,66 +59,6 @@ TOLERANCES = {
 }
 # Neuron's --auto_cast_type lowers matmul precision below the weights' dtype.
 AUTO_CAST_DTYPES = {"fp32": "float32", "tf32": "float16", "fp16": "float16", "bf16": "bfloat16"}
-
-
-class BucketRunner(Protocol):
-    """One bucket of a release, runnable: what ``DecodeSession`` provides."""
-
-    batch: int
-    seq: int
-
-    def prefill(self, tokens: Any, lengths: Any) -> Any: ...
-    def decode(self, tokens: Any, positions: Any) -> Any: ...
-    def generate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None
-    ) -> list[list[int]]: ...
-
-
-class AotiRunner:
-    """cpu and cuda releases: the serving runtime itself (``BucketedModel``)."""
-
-    def __init__(self, release_dir: Path, manifest: Manifest, *, cuda_graphs: bool) -> None:
-        from pipeline.runtime import BucketedModel
-
-        self.model = BucketedModel.load(release_dir, cuda_graphs=cuda_graphs)
-        self.device = self.model.device
-
-    def session(self, bucket: str) -> BucketRunner:
-        from pipeline.buckets import Bucket
-
-        return self.model.session(Bucket.parse(bucket))
-
-
-class NeuronRunner:
-    """neuron releases: need torch-neuronx on a host with NeuronCores."""
-
-    device = "neuron"
-
-    def __init__(self, release_dir: Path, manifest: Manifest, *, cuda_graphs: bool) -> None:
-        what = f"release {manifest.model} {manifest.version}"
-        if importlib.util.find_spec("torch_neuronx") is None:
-            raise RuntimeMismatchError(
-                what,
-                "is a neuron release and the Neuron runtime (torch-neuronx) is not installed here",
-                "run parity on an inf2/trn1 host with the AWS Neuron SDK: pip install "
-                "--extra-index-url https://pip.repos.neuron.amazonaws.com torch-neuronx "
-                "optimum-neuron",
-            )
-        raise RuntimeMismatchError(
-            what,
-            "running neuron buckets step by step is not implemented in this inf2-pipeline",
-            "check the release with NxD Inference's own accuracy tools meanwhile",
-        )
-
-    def session(self, bucket: str) -> BucketRunner:  # pragma: no cover - see __init__
-        raise NotImplementedError
-
-
-RUNNERS: dict[str, Callable[..., Any]] = {
-    "cpu": AotiRunner,
-    "cuda": AotiRunner,
-    "neuron": NeuronRunner,
-}
 
 
 @dataclass
@@ -244,19 +178,20 @@ def check_release(
 
     if steps < 1:
         raise InputError("--steps", f"must be ≥ 1, got {steps}", None)
-    release_dir = resolve_release(Path(path))
-    manifest = _read_manifest(release_dir)
+    installed = open_installed(path, verify="none")
+    release_dir, manifest = installed.dir, installed.manifest
     names = _bucket_names(manifest, buckets)
     device = reference_device(reference)
-    runner_cls = RUNNERS.get(manifest.backend)
-    if runner_cls is None:
+    spec = backends.BACKENDS.get(manifest.backend)
+    if spec is None or spec.parity is None:
+        checked = [n for n, s in backends.BACKENDS.items() if s.parity]
         raise RuntimeMismatchError(
-            f"release {manifest.model} {manifest.version}",
-            f"backend '{manifest.backend}' has no runner",
-            f"runners: {', '.join(sorted(RUNNERS))}",
+            installed.what,
+            f"backend '{manifest.backend}' has no parity runner",
+            f"parity runs for: {', '.join(checked)}",
         )
-    verify_files(release_dir, manifest, names)
-    runner = runner_cls(release_dir, manifest, cuda_graphs=cuda_graphs)
+    verify_files(installed, "sha256", names)
+    runner = backends.load(spec.parity)(installed, cuda_graphs=cuda_graphs)
     ref = Reference(release_dir, manifest, device, checkpoint)
     tol_dtype = tolerance_dtype(manifest)
     tol = TOLERANCES[tol_dtype]
@@ -397,168 +332,6 @@ def _stable_hash(text: str) -> int:
     return sum((i + 1) * ord(c) for i, c in enumerate(text)) % 1_000_003
 
 
-# --- the reference ------------------------------------------------------------------------
-
-
-class Reference:
-    """The eager Hugging Face model in fp32 (see the module docstring for its weights)."""
-
-    def __init__(
-        self, release_dir: Path, manifest: Manifest, device: str, checkpoint: Path | None
-    ) -> None:
-        self.release_dir = release_dir
-        self.manifest = manifest
-        self.device = device
-        self.checkpoint = Path(checkpoint) if checkpoint else None
-        if self.checkpoint is not None:
-            check_checkpoint(self.checkpoint, release_dir, manifest)
-        config = json.loads((release_dir / "config.json").read_text())
-        self.vocab = int(config["vocab_size"])
-        self._model: Any = None
-
-    def describe(self) -> dict[str, str]:
-        if self.checkpoint is not None:
-            weights = f"checkpoint `{self.checkpoint}` (weights digest matches the manifest)"
-        else:
-            weights = "the release's weights.safetensors, GQA padding undone, upcast"
-        model = self._model
-        name = type(model).__name__ if model is not None else "?"
-        return {"model_class": name, "dtype": "float32", "device": self.device, "weights": weights}
-
-    def greedy(self, prompt: list[int], steps: int) -> tuple[list[int], Any]:
-        """``steps + 1`` greedy tokens after ``prompt`` and the fp32 logits that chose each
-        ([steps + 1, V] on the CPU).
-
-        Each step reruns the whole sequence (no cache to get wrong, and no dependence on the
-        cache API of the installed transformers), and projects only the last position, so
-        the vocabulary-sized logits are never materialised for the whole prompt."""
-        import torch
-
-        model = self.model()
-        body, head = model.get_decoder(), model.get_output_embeddings()
-        seq = list(prompt)
-        rows = []
-        for _ in range(steps + 1):
-            hidden = body(input_ids=torch.tensor([seq], device=self.device)).last_hidden_state
-            rows.append(head(hidden[0, -1]).float())
-            seq.append(int(rows[-1].argmax()))
-        return seq[len(prompt) :], torch.stack(rows).cpu()
-
-    def model(self) -> Any:
-        if self._model is None:
-            self._model = self._load().to(self.device).eval()
-        return self._model
-
-    def _load(self) -> Any:
-        import torch
-        import transformers
-
-        transformers.logging.disable_progress_bar()  # a report, not a download
-        auto = transformers.AutoModelForCausalLM
-        if self.checkpoint is not None:
-            return auto.from_pretrained(self.checkpoint, dtype=torch.float32)
-        config = transformers.AutoConfig.from_pretrained(self.release_dir)
-        state = release_state_dict(self.release_dir, self.manifest)
-        # The concrete class: only it loads from a state dict without a checkpoint path.
-        model_class = auto._model_mapping[type(config)]
-        return model_class.from_pretrained(
-            None, config=config, state_dict=state, dtype=torch.float32
-        )
-
-
-def check_checkpoint(checkpoint: Path, release_dir: Path, manifest: Manifest) -> None:
-    """The checkpoint must be the one the release was compiled from: same weights digest,
-    same config.json (as JSON)."""
-    from pipeline.compile.keys import digest, model_config_digest, weights_digest
-
-    found = weights_digest(checkpoint)
-    if found != manifest.weights_digest:
-        raise InputError(
-            f"--checkpoint {checkpoint}",
-            f"weights digest {found[:12]} differs from the release's "
-            f"{manifest.weights_digest[:12]}",
-            "pass the checkpoint this release was compiled from",
-        )
-    config = release_dir / "config.json"
-    if config.is_file() and model_config_digest(checkpoint) != digest(
-        json.loads(config.read_text())
-    ):
-        raise InputError(
-            f"--checkpoint {checkpoint}",
-            "its config.json differs from the release's",
-            "pass the checkpoint this release was compiled from",
-        )
-
-
-_ATTN = re.compile(r"\.self_attn\.([qkvo])_proj\.(weight|bias)$")
-
-
-def release_state_dict(release_dir: Path, manifest: Manifest) -> dict[str, Any]:
-    """A bucket's weights.safetensors as the original model's fp32 state dict: the GQA head
-    padding undone (each original head taken from the first slot that holds it)."""
-    from safetensors.torch import load_file
-
-    from pipeline.checkpoint import read_shape
-    from pipeline.compile.decoder import unfuse_checkpoint
-    from pipeline.gqa import GqaPlan
-
-    name = sorted(manifest.buckets)[0]
-    if not any(ref.path == WEIGHTS_FILE for ref in manifest.buckets[name].files):
-        raise InputError(
-            f"release {manifest.model} {manifest.version}",
-            f"its buckets carry no {WEIGHTS_FILE} to rebuild the reference from",
-            "pass --checkpoint DIR, the checkpoint the release was compiled from",
-        )
-    shape = read_shape(release_dir)
-    plan = GqaPlan(**manifest.gqa)
-    state = unfuse_checkpoint(load_file(str(release_dir / BUCKETS / name / WEIGHTS_FILE)))
-    state.pop("rope_inv_freq", None)  # the compiled graphs' own buffer, not Hugging Face's
-    return {k: _unpad(k, v, shape.head_dim, plan).float() for k, v in state.items()}
-
-
-def _unpad(name: str, tensor: Any, head_dim: int, plan: Any) -> Any:
-    import torch
-
-    m = _ATTN.search(name)
-    if not m or (m.group(1) == "o" and m.group(2) == "bias"):
-        return tensor
-    proj = m.group(1)
-    dim = 1 if proj == "o" else 0
-    q_side = proj in ("q", "o")
-    sources = plan.q_slot_sources() if q_side else plan.kv_slot_sources()
-    heads = plan.q_heads if q_side else plan.kv_heads
-    size = tensor.shape[dim]
-    if size == heads * head_dim:
-        return tensor  # not padded (tp 1, or heads already divide)
-    if size != len(sources) * head_dim:
-        raise IntegrityError(
-            name,
-            f"{size} rows/columns fit neither {heads} heads nor the plan's {len(sources)} slots",
-            "the weights do not match the manifest's GQA plan",
-        )
-    slots = [sources.index(h) for h in range(heads)]
-    return torch.cat([tensor.narrow(dim, s * head_dim, head_dim) for s in slots], dim=dim)
-
-
-# --- release checks -----------------------------------------------------------------------
-
-
-def reference_device(reference: str) -> str:
-    import torch
-
-    if reference not in ("auto", "cpu", "cuda"):
-        raise InputError("--reference", f"unknown device '{reference}'", "use auto, cpu or cuda")
-    if reference == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if reference == "cuda" and not torch.cuda.is_available():
-        raise BackendUnavailableError(
-            "--reference cuda",
-            "no CUDA GPU visible (torch.cuda.is_available() is False)",
-            "use --reference cpu",
-        )
-    return reference
-
-
 def tolerance_dtype(manifest: Manifest) -> str:
     """The release's dtype, or Neuron's lower auto-cast precision where that is looser."""
     dtype = manifest.dtype if manifest.dtype in TOLERANCES else "float32"
@@ -567,38 +340,6 @@ def tolerance_dtype(manifest: Manifest) -> str:
         if TOLERANCES[cast].max_rel > TOLERANCES[dtype].max_rel:
             return cast
     return dtype
-
-
-def verify_files(release_dir: Path, manifest: Manifest, buckets: Sequence[str]) -> None:
-    """Every release-wide file and every file of ``buckets`` against the manifest's sha256
-    (hard links to one blob are hashed once)."""
-    seen: dict[tuple[int, int, int], str] = {}
-    for rel, ref in release_files(manifest):
-        parts = rel.parts
-        if parts[0] == BUCKETS and parts[1] not in buckets:
-            continue
-        path = release_dir / rel
-        if not path.is_file():
-            raise IntegrityError(str(path), "missing", "pull the release again")
-        st = path.stat()
-        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
-        if key not in seen:
-            seen[key] = sha256_file(path)
-        if seen[key] != ref.sha256:  # type: ignore[attr-defined]
-            raise IntegrityError(
-                str(path),
-                f"sha256 {seen[key][:12]} differs from the manifest's {ref.sha256[:12]}",  # type: ignore[attr-defined]
-                "the install is damaged; pull the release again",
-            )
-
-
-def _read_manifest(release_dir: Path) -> Manifest:
-    try:
-        return Manifest.model_validate_json((release_dir / MANIFEST).read_bytes())
-    except ValueError as e:
-        raise InputError(
-            str(release_dir / MANIFEST), f"not a release manifest: {e}", "pull the release again"
-        ) from None
 
 
 def _bucket_names(manifest: Manifest, wanted: Sequence[str]) -> list[str]:

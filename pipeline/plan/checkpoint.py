@@ -5,11 +5,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import CheckpointError, UnsupportedArchitectureError
 
-# model_type values whose attention is q_proj/k_proj/v_proj/o_proj with a head_dim.
-SUPPORTED = {"llama": False, "mistral": False, "qwen2": True}  # value: q/k/v have biases
+
+@dataclass(frozen=True)
+class Architecture:
+    hf_prefix: str  # of its transformers classes: LlamaConfig, LlamaRotaryEmbedding, ...
+    qkv_bias: bool  # q/k/v projections have biases unless config.json says otherwise
+
+
+# The one list of model_type values this project plans, pads and compiles (cpu/cuda): their
+# attention is q_proj/k_proj/v_proj/o_proj with a head_dim.
+ARCHITECTURES = {
+    "llama": Architecture("Llama", qkv_bias=False),
+    "mistral": Architecture("Mistral", qkv_bias=False),
+    "qwen2": Architecture("Qwen2", qkv_bias=True),
+}
 
 
 @dataclass(frozen=True)
@@ -53,12 +66,12 @@ def read_shape(checkpoint: Path) -> ModelShape:
             str(path), f"not valid JSON: {e.msg} at line {e.lineno}", None
         ) from None
     model_type = cfg.get("model_type", "?")
-    if model_type not in SUPPORTED:
+    if model_type not in ARCHITECTURES:
         arch = ",".join(cfg.get("architectures") or [model_type])
         raise UnsupportedArchitectureError(
             str(checkpoint),
             f"architecture {arch} (model_type '{model_type}') is not supported",
-            f"supported model types: {', '.join(sorted(SUPPORTED))}",
+            f"supported model types: {', '.join(sorted(ARCHITECTURES))}",
         )
     try:
         q = int(cfg["num_attention_heads"])
@@ -73,9 +86,24 @@ def read_shape(checkpoint: Path) -> ModelShape:
             intermediate=int(cfg["intermediate_size"]),
             vocab=int(cfg["vocab_size"]),
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", SUPPORTED[model_type])),
+            qkv_bias=bool(cfg.get("attention_bias", ARCHITECTURES[model_type].qkv_bias)),
         )
     except KeyError as e:
         raise CheckpointError(
             str(path), f"missing key {e.args[0]}", "is this a decoder LLM?"
         ) from None
+
+
+def read_checkpoint(model_dir: Path) -> dict[str, Any]:
+    """Every tensor of a Hugging Face checkpoint (safetensors, else PyTorch .bin files).
+    Imports torch lazily: the planner itself never needs it."""
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if files:
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    files = sorted(Path(model_dir).glob("*.bin"))
+    if not files:
+        raise CheckpointError(str(model_dir), "no *.safetensors or *.bin weights", None)
+    return {k: v for f in files for k, v in torch.load(f, weights_only=True).items()}

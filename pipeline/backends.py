@@ -1,0 +1,79 @@
+"""Every backend in one table: what compiles for it, what serves it, what checks its parity.
+
+Adding a backend is one entry here plus its modules: config validation, ``auto``, the
+compile runner, the runtime and parity all read this table. Entries are import paths
+(``"module:attr"``), so reading the table imports neither torch nor the Neuron SDK.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pipeline.errors import InputError
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    compiler: str  # a pipeline.compile.backends.base.Backend subclass
+    runtime: str | None = None  # a pipeline.runtime.runners.Runner factory; None: not servable
+    parity: str | None = None  # a pipeline.parity runner class; None: no parity check
+
+
+BACKENDS: dict[str, BackendSpec] = {
+    spec.name: spec
+    for spec in (
+        BackendSpec(
+            "neuron",
+            compiler="pipeline.compile.backends.neuron:NeuronBackend",
+            parity="pipeline.parity.runners:NeuronRunner",
+        ),
+        BackendSpec(
+            "cuda",
+            compiler="pipeline.compile.backends.aoti:CudaBackend",
+            runtime="pipeline.runtime.aoti:AotiRunner",
+            parity="pipeline.parity.runners:AotiRunner",
+        ),
+        BackendSpec(
+            "cpu",
+            compiler="pipeline.compile.backends.aoti:CpuBackend",
+            runtime="pipeline.runtime.aoti:AotiRunner",
+            parity="pipeline.parity.runners:AotiRunner",
+        ),
+    )
+}
+# What `auto` tries, in order: the product's target first, the fallbacks after; cpu always works.
+AUTO_ORDER = ("neuron", "cuda", "cpu")
+
+
+def names() -> tuple[str, ...]:
+    return tuple(BACKENDS)
+
+
+def spec(name: str) -> BackendSpec:
+    if name not in BACKENDS:
+        raise InputError(f"backend '{name}'", "unknown", f"use one of: auto, {', '.join(BACKENDS)}")
+    return BACKENDS[name]
+
+
+def register(name: str, compiler: str, **paths: str | None) -> None:
+    """Add or replace a backend (tests register fakes)."""
+    old = BACKENDS.get(name)
+    BACKENDS[name] = (
+        replace(old, compiler=compiler, **paths) if old else BackendSpec(name, compiler, **paths)
+    )
+
+
+def unregister(name: str) -> None:
+    BACKENDS.pop(name, None)
+
+
+def load(path: str) -> Any:
+    """``"module:attr"`` → the attribute."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+__all__ = ["AUTO_ORDER", "BACKENDS", "BackendSpec", "load", "names", "register", "spec"]

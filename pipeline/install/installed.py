@@ -1,0 +1,151 @@
+"""The installed release: its on-disk layout, and the one reader and verifier of it.
+
+``pull`` writes it; the runtime, parity and ``serve`` read it only through ``open_installed``,
+which parses the manifest through ``parse_manifest`` (a newer schema is "upgrade
+inf2-pipeline", any other defect one line naming the field; both exit 2) and checks the files:
+``verify="size"`` (cheap, at load time) or ``verify="sha256"`` (pull and parity).
+
+DEST/<model>/<version>/manifest.json          the release manifest, verbatim
+DEST/<model>/<version>/<path>                 release-wide files (e.g. the model config)
+DEST/<model>/<version>/buckets/<name>/<path>  each bucket's files
+DEST/<model>/current -> <version>             swapped atomically after a complete install
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+from pipeline._files import sha256_file
+from pipeline.errors import InputError, IntegrityError
+from pipeline.store.blobs import FileRef
+from pipeline.store.manifest import Manifest, parse_manifest
+
+MANIFEST = "manifest.json"
+CURRENT = "current"
+BUCKETS = "buckets"
+
+
+def safe_relpath(rel: str) -> PurePosixPath:
+    """A manifest path as a relative path that cannot leave its directory."""
+    p = PurePosixPath(rel)
+    if (
+        not rel
+        or p.is_absolute()
+        or rel.startswith(("/", "\\"))
+        or "\\" in rel
+        or any(part in ("", ".", "..") for part in rel.split("/"))
+    ):
+        raise InputError(
+            f"manifest path '{rel}'",
+            "points outside the release directory",
+            "the manifest is malformed or malicious; republish the release",
+        )
+    return p
+
+
+def release_files(manifest: Manifest) -> list[tuple[PurePosixPath, FileRef]]:
+    """(relative install path, FileRef) for every file the manifest names, checked for safety."""
+    files = [(safe_relpath(ref.path), ref) for ref in manifest.files]
+    for name, bucket in sorted(manifest.buckets.items()):
+        safe_relpath(name)
+        files += [
+            (PurePosixPath(BUCKETS, name) / safe_relpath(ref.path), ref) for ref in bucket.files
+        ]
+    seen: set[PurePosixPath] = set()
+    for rel, _ in files:
+        if rel in seen or rel == PurePosixPath(MANIFEST):
+            raise InputError(
+                f"manifest path '{rel}'",
+                "appears twice or shadows manifest.json",
+                "republish the release",
+            )
+        seen.add(rel)
+    return files
+
+
+def find_release(path: Path | str) -> Path:
+    """``DIR/MODEL`` (following ``current``) or a release directory → the release directory."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    if (path / CURRENT / MANIFEST).is_file():
+        return (path / CURRENT).resolve()
+    raise InputError(
+        str(path),
+        "no release here (no manifest.json, no current/manifest.json)",
+        "pass DEST/MODEL after 'inf2-pipeline pull', or a release directory",
+    )
+
+
+Verify = Literal["none", "size", "sha256"]
+
+
+@dataclass(frozen=True)
+class InstalledRelease:
+    dir: Path
+    manifest: Manifest
+
+    @property
+    def what(self) -> str:
+        return f"release {self.manifest.model} {self.manifest.version}"
+
+    def bucket_dir(self, name: str) -> Path:
+        return self.dir / BUCKETS / name
+
+
+def read_installed_manifest(release_dir: Path) -> Manifest:
+    """The manifest of an installed release, through the one manifest parser."""
+    path = Path(release_dir) / MANIFEST
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise InputError(str(path), f"unreadable: {e.strerror}", "pull the release again") from None
+    return parse_manifest(data, str(path))
+
+
+def open_installed(
+    path: Path | str, *, verify: Verify = "size", buckets: Collection[str] | None = None
+) -> InstalledRelease:
+    """``DIR/MODEL`` (following ``current``) or a release directory, its manifest read and
+    its files checked (every release-wide file, and the files of ``buckets``, default all)."""
+    release_dir = find_release(path)
+    installed = InstalledRelease(release_dir, read_installed_manifest(release_dir))
+    if verify != "none":
+        verify_files(installed, verify, buckets)
+    return installed
+
+
+def verify_files(
+    installed: InstalledRelease, mode: Verify = "sha256", buckets: Collection[str] | None = None
+) -> None:
+    """Every file the manifest names is there with its size (and with ``sha256``, its digest;
+    hard links to one blob are hashed once). One ``IntegrityError`` line for the first bad."""
+    hashed: dict[tuple[int, int, int], str] = {}
+    for rel, ref in release_files(installed.manifest):
+        if buckets is not None and rel.parts[0] == BUCKETS and rel.parts[1] not in buckets:
+            continue
+        path = installed.dir / rel
+        try:
+            st = path.stat()
+        except OSError:
+            st = None
+        if st is None or not path.is_file() or st.st_size != ref.size:
+            raise IntegrityError(
+                str(path),
+                "missing or of the wrong size",
+                "the install is incomplete; pull the release again",
+            )
+        if mode != "sha256":
+            continue
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        if key not in hashed:
+            hashed[key] = sha256_file(path)
+        if hashed[key] != ref.sha256:
+            raise IntegrityError(
+                str(path),
+                f"sha256 {hashed[key][:12]} differs from the manifest's {ref.sha256[:12]}",
+                "the install is damaged; pull the release again",
+            )

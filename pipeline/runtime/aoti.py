@@ -1,0 +1,96 @@
+"""The runner of cpu and cuda releases: AOTInductor packages (``pipeline.runtime.graph_abi``).
+
+All buckets of a release share one copy of the weights in memory (their weights.safetensors
+files are the same blob). Each bucket runs in a ``DecodeSession`` (its own KV caches; on cuda,
+its decode step replayed as a CUDA graph: ``cuda_graphs=False`` turns that off, to compare or
+debug).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from pipeline.errors import RuntimeMismatchError
+from pipeline.install.installed import InstalledRelease
+from pipeline.plan.buckets import Bucket
+from pipeline.runtime.graph_abi import (
+    WEIGHTS_FILE,
+    BucketGraphs,
+    GraphSpec,
+    check_runs_here,
+    load_weights,
+)
+from pipeline.store.manifest import Manifest
+
+if TYPE_CHECKING:
+    from pipeline.runtime.decode_session import DecodeSession
+
+
+class AotiRunner:
+    def __init__(self, installed: InstalledRelease, *, cuda_graphs: bool = True) -> None:
+        _check_runnable(installed.manifest)
+        # Graph ABI and GPU architecture: refuse now, not on the first request.
+        first = installed.bucket_dir(sorted(installed.manifest.buckets)[0])
+        check_runs_here(GraphSpec.read(first), first)
+        self.installed = installed
+        self.manifest = installed.manifest
+        self.device = installed.manifest.backend
+        self.cuda_graphs = cuda_graphs
+        self._graphs: dict[Bucket, BucketGraphs] = {}
+        self._weights: dict[str, dict[str, Any]] = {}  # by blob digest: one copy per release
+        self._sessions: dict[Bucket, DecodeSession] = {}
+
+    def tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        # The cache holds the prompt and every generated token but the last.
+        return prompt_len + max_new_tokens - 1
+
+    def warmup(self, buckets: Sequence[Bucket]) -> None:
+        """Load every bucket, allocate its caches and record its CUDA graph."""
+        for bucket in buckets:
+            self.session(bucket)
+
+    def session(self, bucket: Bucket) -> DecodeSession:
+        """The bucket's graphs with their own caches (made on first use)."""
+        from pipeline.runtime.decode_session import DecodeSession
+
+        if bucket not in self._sessions:
+            graphs = self._bucket(bucket)
+            self._sessions[bucket] = DecodeSession(graphs, cuda_graphs=self.cuda_graphs)
+        return self._sessions[bucket]
+
+    def _bucket(self, bucket: Bucket) -> BucketGraphs:
+        if bucket not in self._graphs:
+            entry = self.manifest.buckets[bucket.name]
+            ref = next(r for r in entry.files if r.path == WEIGHTS_FILE)
+            bucket_dir = self.installed.bucket_dir(bucket.name)
+            if ref.sha256 not in self._weights:
+                self._weights[ref.sha256] = load_weights(bucket_dir / WEIGHTS_FILE, self.device)
+            # Single-threaded packages: CUDA graph capture needs them, and a bucket's one
+            # cache serialises its calls anyway.
+            self._graphs[bucket] = BucketGraphs(
+                bucket_dir, self.device, weights=self._weights[ref.sha256], single_threaded=True
+            )
+        return self._graphs[bucket]
+
+
+def _check_runnable(manifest: Manifest) -> None:
+    import torch
+
+    if manifest.backend == "cuda" and not torch.cuda.is_available():
+        raise RuntimeMismatchError(
+            f"release {manifest.model} {manifest.version}",
+            "is a cuda release and this machine has no CUDA GPU",
+            None,
+        )
+    built = manifest.versions.get("torch", "")
+    if _minor(built) != _minor(torch.__version__):
+        raise RuntimeMismatchError(
+            f"release {manifest.model} {manifest.version}",
+            f"was compiled with torch {built}, this runtime has torch {torch.__version__}",
+            "AOTInductor packages need the same torch minor version; recompile or match torch",
+        )
+
+
+def _minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
