@@ -96,7 +96,8 @@ def test_lazy_load_and_warmup(installed):
     model.generate([[1, 2, 3]], 2)
     assert list(model.runner._graphs) == [Bucket(1, 32)]
     model.warmup()
-    assert len(model.runner._graphs) == 4 and len(model.runner._weights) == 1  # one shared weight copy
+    # one shared weight copy
+    assert len(model.runner._graphs) == 4 and len(model.runner._weights) == 1
 
 
 def test_load_refuses_what_it_cannot_run(installed, tmp_path):
