@@ -11,7 +11,7 @@ import importlib
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline.errors import InputError
+from pipeline.errors import InputError, RuntimeMismatchError
 
 
 @dataclass(frozen=True)
@@ -70,10 +70,34 @@ def unregister(name: str) -> None:
     BACKENDS.pop(name, None)
 
 
+def role(name: str, role: str, what: str) -> Any:
+    """The ``role`` ("runtime" or "parity") of backend ``name``, imported; one line (exit 2)
+    naming ``what`` and the backends that have it when ``name`` has none."""
+    entry = BACKENDS.get(name)
+    path = getattr(entry, role) if entry else None
+    if path is None:
+        having = [n for n, s in BACKENDS.items() if getattr(s, role)]
+        raise RuntimeMismatchError(
+            what,
+            f"was compiled for '{name}', which this inf2-pipeline has no {role} runner for",
+            f"{role} runners exist for: {', '.join(having)}",
+        )
+    return load(path)
+
+
 def load(path: str) -> Any:
     """``"module:attr"`` → the attribute."""
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["AUTO_ORDER", "BACKENDS", "BackendSpec", "load", "names", "register", "spec"]
+__all__ = [
+    "AUTO_ORDER",
+    "BACKENDS",
+    "BackendSpec",
+    "load",
+    "names",
+    "register",
+    "role",
+    "spec",
+]

@@ -35,7 +35,7 @@ from typing import Any
 
 from pipeline import backends
 from pipeline._files import atomic_write_text
-from pipeline.errors import InputError, RuntimeMismatchError
+from pipeline.errors import InputError
 from pipeline.install.installed import open_installed, verify_files
 from pipeline.parity.reference import Reference, reference_device
 from pipeline.parity.runners import BucketRunner
@@ -182,16 +182,9 @@ def check_release(
     release_dir, manifest = installed.dir, installed.manifest
     names = _bucket_names(manifest, buckets)
     device = reference_device(reference)
-    spec = backends.BACKENDS.get(manifest.backend)
-    if spec is None or spec.parity is None:
-        checked = [n for n, s in backends.BACKENDS.items() if s.parity]
-        raise RuntimeMismatchError(
-            installed.what,
-            f"backend '{manifest.backend}' has no parity runner",
-            f"parity runs for: {', '.join(checked)}",
-        )
+    runner_cls = backends.role(manifest.backend, "parity", installed.what)
     verify_files(installed, "sha256", names)
-    runner = backends.load(spec.parity)(installed, cuda_graphs=cuda_graphs)
+    runner = runner_cls(installed, cuda_graphs=cuda_graphs)
     ref = Reference(release_dir, manifest, device, checkpoint)
     tol_dtype = tolerance_dtype(manifest)
     tol = TOLERANCES[tol_dtype]

@@ -53,12 +53,4 @@ def open_runner(installed: InstalledRelease, backend: str = "auto", **options: A
             f"was compiled for '{manifest.backend}', not '{backend}'",
             "compiled graphs run only on the target they were compiled for",
         )
-    spec = backends.BACKENDS.get(manifest.backend)
-    if spec is None or spec.runtime is None:
-        servable = [n for n, s in backends.BACKENDS.items() if s.runtime]
-        raise RuntimeMismatchError(
-            installed.what,
-            f"was compiled for '{manifest.backend}', which this runtime cannot run",
-            f"this inf2-pipeline serves: {', '.join(servable)}",
-        )
-    return backends.load(spec.runtime)(installed, **options)
+    return backends.role(manifest.backend, "runtime", installed.what)(installed, **options)
