@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -162,6 +163,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         server = subprocess.Popen(
             [args.nginx, "-c", str(root / "nginx.conf"), "-p", str(root)],
             stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
         )
         endpoint = f"http://127.0.0.1:{port}"
         _wait_listening(port)
@@ -222,7 +224,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             )  # fmt: skip
             pulls.append(json.loads(out.stdout))
 
-        rows = {}
+        rows, cpu = {}, {}
         curl()  # warm nginx and the page cache
         print(f"--- {files} files, {gb:.2f} GB, {os.cpu_count()} CPUs", flush=True)
         for name, fn, cleanup in (
@@ -232,15 +234,22 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             ("boto3 download_file (defaults)", boto, dest),
             ("inf2-pipeline pull", ours, root / "pulled"),
         ):
+            c0 = _children_cpu()
             best = min(_run(fn, cleanup) for _ in range(2))
             rows[name] = best
-            print(f"{name:36s} {best:7.2f} s  {gb / best:6.2f} GB/s", flush=True)
+            # CPU seconds per GB of the child processes (all but boto3, which runs in here)
+            cpu[name] = (_children_cpu() - c0) / 2 / gb
+            print(
+                f"{name:36s} {best:7.2f} s  {gb / best:6.2f} GB/s  {cpu[name]:5.2f} CPU-s/GB",
+                flush=True,
+            )
         pull_s = rows["inf2-pipeline pull"]
         last = pulls[-1]
         shape = {
             "bytes": total,
             "seconds": rows,
             "gb_per_s": {k: gb / v for k, v in rows.items()},
+            "child_cpu_s_per_gb": {k: v for k, v in cpu.items() if not k.startswith("boto3")},
             "pull_concurrency": last["concurrency"],
             "pull_part_size": last["part_size"],
             "pull_parts": last["parts"],
@@ -266,6 +275,19 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             server.terminate()
             server.wait()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """nginx (daemon off, our child) gets SIGTERM if the bench dies without its finally."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def _wait_listening(port: int, timeout: float = 10.0) -> None:
