@@ -345,3 +345,21 @@ def test_peak_memory_of_a_pull_stays_near_concurrency_times_part_size(tmp_path):
           f"(concurrency {concurrency}, part {part >> 20} MiB)")  # fmt: skip
     assert downloaded > 256 << 20
     assert peak <= 2 * concurrency * part + (200 << 20)
+
+
+def test_a_full_disk_is_one_line_and_exit_1(store, tmp_path, monkeypatch):
+    import errno
+
+    import pipeline.install.pull as pull_mod
+
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": _big()}}, part_size=PART)
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pull_mod.os, "pwrite", full)
+    r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "d"),
+                            "--store", store.url])  # fmt: skip
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.output
+    assert "No space left on device" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "d/m/v1").exists()

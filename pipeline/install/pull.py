@@ -32,8 +32,9 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -308,7 +309,7 @@ class _Fetcher:
 
     def _land(self, f: _File, start: int, length: int) -> None:
         """Fetch one range, check it, write it at its offset; finish the file if it was last."""
-        with f.lock:
+        with f.lock, _local_write(f.tmp):
             if f.fd is None:
                 f.fd = _preallocated(f.tmp, f.ref.size)
         data = self._get(f.key, start, length)
@@ -320,11 +321,18 @@ class _Fetcher:
                 self._count_file_refetch(f, hashlib.sha256(data).hexdigest())
                 data = self._get(f.key, start, length)
                 got += len(data)
-            os.pwrite(f.fd, data, start)
-        else:
-            if len(data) != length:  # checked whole at the end; a short read is bad already
-                raise self._short(f, start, length, len(data))
-            os.pwrite(f.fd, data, start)
+            _pwrite(f, data, start)
+        else:  # checked whole once every range landed; a short range is bad already
+            tries = 0
+            while len(data) != length:
+                if tries == PART_RETRIES:
+                    raise self._short(f, start, length, len(data))
+                tries += 1
+                with self._lock:
+                    self.refetched_parts += 1
+                data = self._get(f.key, start, length)
+                got += len(data)
+            _pwrite(f, data, start)
         with self._lock:
             self.downloaded += got
             self.parts += 1
@@ -357,7 +365,7 @@ class _Fetcher:
                     self.refetched_parts += 1
                 part = self._get(f.key, off, n)
                 extra += len(part)
-            os.pwrite(f.fd, part, off)
+            _pwrite(f, part, off)
         return extra
 
     def _finish(self, f: _File) -> None:
@@ -403,6 +411,23 @@ class _Fetcher:
 
     def _get(self, key: str, start: int, length: int) -> bytes:
         return with_retries(lambda: self.store.get_range(key, start, length))
+
+
+@contextmanager
+def _local_write(path: Path) -> Iterator[None]:
+    """A failed local write (no space left, read-only volume) is one line and exit 1."""
+    try:
+        yield
+    except OSError as e:
+        raise PipelineError(
+            str(path), f"cannot write: {e.strerror or e}", "check free space and permissions"
+        ) from None
+
+
+def _pwrite(f: _File, data: bytes | memoryview, offset: int) -> None:
+    assert f.fd is not None
+    with _local_write(f.tmp):
+        os.pwrite(f.fd, data, offset)
 
 
 def _preallocated(path: Path, size: int) -> int:
