@@ -228,7 +228,8 @@ def test_persistent_corruption_fails_with_exit_1_after_bounded_refetches(
     assert len(proxy.hits) == 1 + PART_RETRIES
     assert os.readlink(dest / "m/current") == "v1" and not (dest / "m/v2").exists()
     assert {p: p.read_bytes() for p in (dest / "m/v1").rglob("*") if p.is_file()} == before
-    assert not list((dest / "m").rglob("*.incomplete"))
+    # what stays for a resume holds only verified parts, in the staging directory
+    assert all(".staging-v2" in str(p) for p in (dest / "m").rglob("*.incomplete"))
 
 
 def test_schema_1_manifests_still_pull_verified_whole(store, tmp_path):
@@ -363,3 +364,26 @@ def test_a_full_disk_is_one_line_and_exit_1(store, tmp_path, monkeypatch):
     assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.output
     assert "No space left on device" in r.stderr and "Traceback" not in r.output
     assert not (tmp_path / "d/m/v1").exists()
+
+
+def test_a_half_fetched_file_resumes_from_its_verified_parts(store, tmp_path):
+    """What a SIGKILL leaves: a full-size temporary file with some parts written. The parts
+    that verify are kept; the others (zeros, or torn writes) are fetched."""
+    data = _big(8 * PART)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    tmp = tmp_path / "d/m/.staging-v1/buckets/b1_s32/.w.bin.incomplete"
+    tmp.parent.mkdir(parents=True)
+    torn = bytearray(len(data))
+    torn[: 3 * PART] = data[: 3 * PART]  # parts 0-2 landed
+    torn[5 * PART : 5 * PART + 10] = data[5 * PART : 5 * PART + 10]  # part 5 torn
+    tmp.write_bytes(bytes(torn))
+    calls = []
+    real = store.get_range
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    store.get_range = lambda k, s, n: (calls.append(s) if k == key else None) or real(k, s, n)
+    r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+    assert sorted(calls) == [i * PART for i in range(3, 8)]
+    assert r.reused_bytes == 3 * PART and r.downloaded_bytes == 5 * PART + len(
+        b'{"model_type": "llama"}'
+    )

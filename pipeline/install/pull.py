@@ -14,7 +14,8 @@ install. See docs/pull.md for the flags, the defaults and why.
   no part digests (manifest schema 1) are checked whole after they land, and fetched again,
   whole, up to ``FILE_RETRIES`` times on a mismatch.
 * Files land in ``DEST/<model>/.staging-<version>/`` (a stable name, so a restarted init
-  container resumes: files already there and verified are kept); the staging directory is
+  container resumes: files already there and verified are kept, and so are the parts of a
+  half-fetched file that match their digests); the staging directory is
   renamed to ``DEST/<model>/<version>`` only when every file is verified, then ``current`` is
   swapped atomically. A failure leaves the previous install and ``current`` untouched.
 
@@ -168,13 +169,20 @@ def pull_release(
     return replace(
         result,
         downloaded_bytes=fetcher.downloaded,
-        reused_bytes=reused,
+        reused_bytes=reused + fetcher.resumed,
         seconds=time.monotonic() - start,
         already_installed=False,
         parts=fetcher.parts,
         refetched_parts=fetcher.refetched_parts,
         refetched_files=fetcher.refetched_files,
     )
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 def _verified(path: Path, ref: FileRef) -> bool:
@@ -213,6 +221,8 @@ class _File:
     fd: int | None = None
     left: int = 0
     attempts: int = 0  # whole-file re-fetches so far
+    # A killed pull's full-size temporary file: ranges whose parts already verify are kept.
+    resume: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -241,6 +251,7 @@ class _Fetcher:
         self.part_size = max(1 << 16, part_size)
         self.verify = verify
         self.downloaded = self.parts = self.refetched_parts = self.refetched_files = 0
+        self.resumed = 0  # bytes of partial files a killed pull left, kept because they verify
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: queue.SimpleQueue[tuple[_File, int, int] | None] = queue.SimpleQueue()
@@ -260,6 +271,7 @@ class _Fetcher:
             target.parent.mkdir(parents=True, exist_ok=True)
             step = self.range_size(ref)
             f = _File(target, ref, [(o, min(step, ref.size - o)) for o in range(0, ref.size, step)])
+            f.resume = ref.parts is not None and _size(f.tmp) == ref.size
             if not f.ranges:
                 self._empty(f)
             else:
@@ -285,9 +297,11 @@ class _Fetcher:
             for t in threads:
                 t.join()
             for f in files:
-                if f.fd is not None:  # unfinished: discard what was fetched for it
+                if f.fd is not None:  # unfinished
                     os.close(f.fd)
-                    f.tmp.unlink(missing_ok=True)
+                    if f.ref.parts is None:  # unverified bytes: discard them
+                        f.tmp.unlink(missing_ok=True)
+                    # else only verified parts were written: the next pull resumes from them
         if self._error is not None and not isinstance(self._error, InterruptedError):
             raise self._error
 
@@ -311,7 +325,12 @@ class _Fetcher:
         """Fetch one range, check it, write it at its offset; finish the file if it was last."""
         with f.lock, _local_write(f.tmp):
             if f.fd is None:
-                f.fd = _preallocated(f.tmp, f.ref.size)
+                f.fd = os.open(f.tmp, os.O_RDWR) if f.resume else _preallocated(f.tmp, f.ref.size)
+        if f.resume and self._already_there(f, start, length):
+            with self._lock:
+                self.resumed += length
+            self._landed(f, length)
+            return
         data = self._get(f.key, start, length)
         got = len(data)
         if f.ref.parts is not None:
@@ -336,6 +355,19 @@ class _Fetcher:
         with self._lock:
             self.downloaded += got
             self.parts += 1
+        self._landed(f, length)
+
+    def _already_there(self, f: _File, start: int, length: int) -> bool:
+        """Whether every part of the range is already on disk with the right digest."""
+        ref = f.ref
+        assert ref.parts is not None and ref.part_size is not None and f.fd is not None
+        for i in range(start // ref.part_size, -(-(start + length) // ref.part_size)):
+            off, n = ref.part_range(i)
+            if hashlib.sha256(os.pread(f.fd, n, off)).hexdigest() != ref.parts[i]:
+                return False
+        return True
+
+    def _landed(self, f: _File, length: int) -> None:
         self.progress.advance(length)
         with f.lock:
             f.left -= 1
@@ -374,6 +406,7 @@ class _Fetcher:
             digest = _sha256_fd(f.fd, f.ref.size)
             if digest != f.ref.sha256:
                 self._count_file_refetch(f, digest)
+                f.resume = False
                 self._enqueue(f)  # the ranges overwrite every byte of the temporary file
                 return
         os.close(f.fd)
