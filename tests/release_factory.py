@@ -7,9 +7,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline.store.base import Store
-from pipeline.store.blobs import put_blob
+from pipeline.store.blobs import PART_SIZE, put_blob
 from pipeline.store.layout import channel_key, release_key
-from pipeline.store.manifest import BucketEntry, Manifest
+from pipeline.store.manifest import MANIFEST_SCHEMA, BucketEntry, Manifest
 
 
 def make_release(
@@ -19,8 +19,11 @@ def make_release(
     version: str = "v1",
     buckets: dict[str, dict[str, bytes]] | None = None,
     extra_files: dict[str, bytes] | None = None,
+    part_size: int | None = PART_SIZE,
+    schema: int = MANIFEST_SCHEMA,
 ) -> Manifest:
-    """Upload every file as a blob and write the manifest; returns it."""
+    """Upload every file as a blob and write the manifest; returns it. ``part_size=None``
+    and ``schema=1``: a release as schema 1 wrote it (no part digests)."""
     buckets = buckets or {
         "b1_s32": {"prefill.pt2": os.urandom(3000), "decode.pt2": os.urandom(2000)},
         "b2_s64": {"prefill.pt2": os.urandom(5000), "decode.pt2": b""},
@@ -31,7 +34,7 @@ def make_release(
         for rel, data in files.items():
             local = workdir / f"{model}-{version}-{name}-{rel}"
             local.write_bytes(data)
-            refs.append(put_blob(store, local, rel)[0])
+            refs.append(put_blob(store, local, rel, part_size)[0])
         b, s = name.split("_")
         entries[name] = BucketEntry(
             batch=int(b[1:]), seq=int(s[1:]), cache_key="0" * 64, files=refs
@@ -40,8 +43,9 @@ def make_release(
     for rel, data in (extra_files or {"config.json": b'{"model_type": "llama"}'}).items():
         local = workdir / f"{model}-{version}-top-{rel.replace('/', '_')}"
         local.write_bytes(data)
-        top.append(put_blob(store, local, rel)[0])
+        top.append(put_blob(store, local, rel, part_size)[0])
     manifest = Manifest(
+        schema_version=schema,
         model=model,
         version=version,
         created=datetime.now(timezone.utc).isoformat(),

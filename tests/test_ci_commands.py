@@ -100,6 +100,4 @@ def test_serving_pod_pulls_with_the_cli():
         "/models",
         "--store",
         "s3://my-model-artifacts/inf2",
-        "--concurrency",
-        "32",
     ] in lines

@@ -187,7 +187,7 @@ def test_identical_files_in_several_buckets_download_once(store, tmp_path):
 
 def test_large_files_are_fetched_in_parallel_ranges(store, tmp_path):
     big = os.urandom(1_000_003)
-    m = make_release(store, tmp_path, buckets={"b1_s32": {"weights.bin": big}})
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"weights.bin": big}}, part_size=1 << 16)
     ref = m.buckets["b1_s32"].files[0]
     calls = []
     real = store.get_range
@@ -198,7 +198,7 @@ def test_large_files_are_fetched_in_parallel_ranges(store, tmp_path):
         return real(key, start, length)
 
     store.get_range = spy
-    r = pull_release(store, "m", tmp_path / "d", version="v1", chunk_size=1 << 16, concurrency=4)
+    r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=1 << 16, concurrency=4)
     assert (r.path / "buckets/b1_s32/weights.bin").read_bytes() == big
     assert len(calls) == -(-len(big) // (1 << 16))
 

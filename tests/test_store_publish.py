@@ -72,7 +72,14 @@ def test_publish_writes_a_manifest_naming_every_file_and_fact(store_url, tmp_pat
     store = open_store(store_url)
     _assert_complete(store, "tiny", "v1")
     m = read_release(store, "tiny", "v1")
-    assert m.schema_version == 1 and m.model == "tiny" and m.backend == "cpu"
+    assert m.schema_version == 2 and m.model == "tiny" and m.backend == "cpu"
+    # compile (bucket files) and publish (checkpoint files) record part digests as they hash
+    for _, ref in m.iter_files():
+        data = store.get_bytes(blob_key(ref.sha256))
+        assert ref.part_size and ref.parts == [
+            hashlib.sha256(data[i : i + ref.part_size]).hexdigest()
+            for i in range(0, len(data), ref.part_size)
+        ]
     assert m.weights_digest == "ab" * 32
     assert m.grid == {"batch_sizes": [1, 2], "sequence_lengths": [32, 64]}
     assert m.gqa["tp"] == 2 and m.gqa["q_heads"] == 8 and m.gqa["kv_heads"] == 2

@@ -8,11 +8,14 @@ channel, malformed manifest: restarting will not help).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from pipeline.cli._common import JsonOpt, StoreOpt, human_bytes, print_json
+from pipeline.errors import InputError
+
+Verify = Literal["parts", "full"]
 
 
 def register(app: typer.Typer) -> None:
@@ -25,10 +28,35 @@ def pull(
     version: Annotated[str | None, typer.Option("--version", help="Release version.")] = None,
     channel: Annotated[str | None, typer.Option("--channel", help="Channel, e.g. prod.")] = None,
     store: StoreOpt = None,
-    concurrency: Annotated[int, typer.Option(min=1, max=256, help="Parallel range GETs.")] = 16,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=256,
+            help="Ranged GETs in flight (default: 4 per available CPU, 8 to 32).",
+            show_default=False,
+        ),
+    ] = None,
+    part_size: Annotated[
+        str,
+        typer.Option(
+            "--part-size",
+            help="Bytes per ranged GET, e.g. 16MiB (rounded to whole manifest parts). "
+            "Memory in flight is about concurrency x part size.",
+        ),
+    ] = "16MiB",
+    verify: Annotated[
+        Verify,
+        typer.Option(
+            "--verify",
+            help="parts: every part against its sha256 as it lands (and whole-file sha256 "
+            "where free); full: also re-read and check every file's whole sha256.",
+        ),
+    ] = "parts",
     json: JsonOpt = False,
 ) -> None:
-    """Download a release (parallel ranged GETs, sha256-verified) and install it atomically."""
+    """Download a release (files and ranges in parallel, every part sha256-verified as it
+    lands) and install it atomically."""
     from pipeline.install.pull import pull_release
     from pipeline.store import open_store
 
@@ -39,15 +67,33 @@ def pull(
         version=version,
         channel=channel,
         concurrency=concurrency,
+        part_size=parse_size(part_size, "--part-size"),
+        verify=verify,
     )
     if json:
         print_json(result.to_dict())
     elif result.already_installed:
         typer.echo(f"{model} {result.version} already installed at {result.path}")
     else:
-        rate = result.downloaded_bytes / max(result.seconds, 1e-9)
         typer.echo(
             f"installed {model} {result.version} at {result.path}: {result.files} files, "
-            f"{human_bytes(result.downloaded_bytes)} downloaded ({human_bytes(rate)}/s), "
-            f"{human_bytes(result.reused_bytes)} reused"
+            f"{human_bytes(result.downloaded_bytes)} downloaded in {result.parts} parts "
+            f"({result.seconds:.1f} s, {human_bytes(result.throughput)}/s), "
+            f"{human_bytes(result.reused_bytes)} reused; re-fetched "
+            f"{result.refetched_parts} parts, {result.refetched_files} files"
         )
+
+
+SIZE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def parse_size(text: str, option: str) -> int:
+    """``16MiB``, ``1048576``, ``512KiB`` -> bytes; at least 64 KiB."""
+    t = text.strip().upper()
+    digits = t.rstrip("KMGIB")
+    unit = t[len(digits) :]
+    if not digits.isdigit() or unit not in SIZE_UNITS or int(digits) * SIZE_UNITS[unit] < 1 << 16:
+        raise InputError(
+            f"{option} {text}", "not a size of at least 64 KiB", "write e.g. 16MiB or 8388608"
+        )
+    return int(digits) * SIZE_UNITS[unit]

@@ -10,6 +10,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.store.blobs import FileRef
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,9 @@ class Store(ABC):
         ``if_match``: ConflictError unless the current version tag equals it."""
 
     @abstractmethod
-    def put_file(self, key: str, path: Path) -> None:
-        """Upload a local file atomically (multipart and concurrent for large files)."""
+    def put_file(self, key: str, path: Path, *, ref: FileRef | None = None) -> None:
+        """Upload a local file atomically (multipart and concurrent for large files).
+        ``ref``: the file's digests, which a backend that checks uploads (S3) sends along."""
 
     @abstractmethod
     def get_file(self, key: str, dest: Path) -> None:

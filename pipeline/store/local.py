@@ -10,10 +10,14 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline._files import atomic_create, atomic_writer
 from pipeline.errors import AlreadyExistsError, ConflictError, InputError, NotFoundError
 from pipeline.store.base import ObjectInfo, Store
+
+if TYPE_CHECKING:
+    from pipeline.store.blobs import FileRef
 
 _SKIP = (".incomplete", ".lock")  # temporary files and CAS locks are never keys
 LOCK_TIMEOUT_S = 10.0
@@ -81,7 +85,7 @@ class LocalStore(Store):
             with atomic_writer(path) as f:
                 f.write(data)
 
-    def put_file(self, key: str, path: Path) -> None:
+    def put_file(self, key: str, path: Path, *, ref: FileRef | None = None) -> None:
         with atomic_writer(self._path(key)) as f, open(path, "rb") as src:
             shutil.copyfileobj(src, f, 1 << 20)
 

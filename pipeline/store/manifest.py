@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipeline.errors import ManifestError, RuntimeMismatchError
 from pipeline.store.blobs import FileRef
 
-MANIFEST_SCHEMA = 1
+# 2: FileRef.part_size and FileRef.parts (per-part sha256, for verified parallel pulls).
+# Readers take any schema up to theirs; a newer one is refused with "upgrade inf2-pipeline".
+MANIFEST_SCHEMA = 2
 
 
 class BucketEntry(BaseModel):

