@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
@@ -26,15 +29,17 @@ StoreOpt = Annotated[
 class OneLineErrors(TyperGroup):
     """Turns PipelineError and usage errors into ``error: <what>: <why> (<hint>)``.
 
-    Exit codes: 2 bad input, 1 outside-world failure, 130 interrupted. ``--debug`` keeps
-    the traceback.
+    Exit codes: 2 bad input, 1 outside-world failure, 130 interrupted (SIGINT), 143
+    terminated (SIGTERM: unwinds like Ctrl-C, so child processes are stopped). ``--debug``
+    keeps the traceback.
     """
 
     def main(self, args=None, prog_name=None, standalone_mode=True, **extra):  # type: ignore[override]
         argv = list(sys.argv[1:] if args is None else args)
         debug = "--debug" in argv
         try:
-            rv = super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
+            with _sigterm_unwinds():
+                rv = super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
             if rv == 130:  # Typer turns Ctrl-C into Exit(130) before we see KeyboardInterrupt
                 _fail("interrupted", 130)
             if isinstance(rv, int) and rv:  # non-standalone click returns typer.Exit's code
@@ -53,6 +58,8 @@ class OneLineErrors(TyperGroup):
             sys.exit(e.exit_code)
         except (typer.Abort, KeyboardInterrupt):
             _fail("interrupted", 130)
+        except Terminated:
+            _fail("terminated", 143)
         except cx.ClickException as e:
             _fail(e.format_message(), e.exit_code)
         except OSError as e:
@@ -60,6 +67,33 @@ class OneLineErrors(TyperGroup):
                 raise
             _fail(f"{getattr(e, 'filename', None) or 'I/O'}: {e.strerror or e}", 1)
         return None
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived. A BaseException, like KeyboardInterrupt, so that ``finally`` and
+    cleanup handlers run (the compile runner stops its workers) and nothing swallows it."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextmanager
+def _sigterm_unwinds():
+    """While a command runs, SIGTERM raises Terminated instead of ending the process on
+    the spot. Left alone where SIGTERM is not at its default (ignored on purpose, or some
+    embedding program's handler) or off the main thread (where handlers cannot be set)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _fail(message: str, code: int) -> None:
