@@ -21,6 +21,8 @@ from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.cache import read_cache_entry
 from tests import compile_fakes
+from tests.proc_helpers import alive as _alive
+from tests.proc_helpers import live_with as _live_with
 
 REPO = Path(__file__).resolve().parent.parent
 GRID = "batch_sizes: [1, 2]\n  sequence_lengths: [32, 64]"
@@ -455,21 +457,6 @@ def _ready_compilers(trace: Path) -> list[str]:
     ]
 
 
-def _live_with(marker: str) -> list[int]:
-    """Live (not zombie) processes whose argv contains ``marker``."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == os.getpid():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker.encode() in argv and _alive(int(d.name)):
-            pids.append(int(d.name))
-    return pids
-
-
 def _stop(proc: subprocess.Popen, marker: str | None = None) -> None:
     """A failed test must not leave its processes behind."""
     if proc.poll() is None:
@@ -478,13 +465,3 @@ def _stop(proc: subprocess.Popen, marker: str | None = None) -> None:
     for pid in _live_with(marker) if marker else []:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes; only a running process counts.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
