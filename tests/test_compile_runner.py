@@ -465,3 +465,22 @@ def _stop(proc: subprocess.Popen, marker: str | None = None) -> None:
     for pid in _live_with(marker) if marker else []:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_stops_the_workers_like_ctrl_c(config, tmp_path):
+    """A pod's or CI job's stop (SIGTERM) unwinds like Ctrl-C: workers and compilers are
+    stopped, no entry written, exit 143 with one line."""
+    proc, _, marker = _start_compilers(config, tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _stop(proc, marker)
+    assert proc.returncode == 143, err
+    assert "b2_s64 interrupted" in err and "b1_s64 interrupted" in err
+    assert err.strip().splitlines()[-1] == "error: terminated"
+    deadline = time.monotonic() + 20  # SIGKILLed processes exit asynchronously
+    while _live_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live_with(marker) == []
+    assert entries(config.parent / "store") == {}

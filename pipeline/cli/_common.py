@@ -97,6 +97,8 @@ def _sigterm_unwinds():
 
 
 def _fail(message: str, code: int) -> None:
+    # One line, always: a newline from a file's contents (a key, a path) is shown escaped.
+    message = message.strip().replace("\r", "\\r").replace("\n", "\\n")
     typer.echo(f"error: {message}", err=True)
     sys.exit(code)
 
