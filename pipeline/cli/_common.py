@@ -30,16 +30,15 @@ class OneLineErrors(TyperGroup):
     """Turns PipelineError and usage errors into ``error: <what>: <why> (<hint>)``.
 
     Exit codes: 2 bad input, 1 outside-world failure, 130 interrupted (SIGINT), 143
-    terminated (SIGTERM: unwinds like Ctrl-C, so child processes are stopped). ``--debug``
-    keeps the traceback.
+    terminated (SIGTERM, in commands that run ``sigterm_unwinds``). ``--debug`` keeps the
+    traceback.
     """
 
     def main(self, args=None, prog_name=None, standalone_mode=True, **extra):  # type: ignore[override]
         argv = list(sys.argv[1:] if args is None else args)
         debug = "--debug" in argv
         try:
-            with _sigterm_unwinds():
-                rv = super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
+            rv = super().main(args=argv, prog_name=prog_name, standalone_mode=False, **extra)
             if rv == 130:  # Typer turns Ctrl-C into Exit(130) before we see KeyboardInterrupt
                 _fail("interrupted", 130)
             if isinstance(rv, int) and rv:  # non-standalone click returns typer.Exit's code
@@ -79,10 +78,12 @@ def _raise_terminated(signum, frame) -> None:
 
 
 @contextmanager
-def _sigterm_unwinds():
-    """While a command runs, SIGTERM raises Terminated instead of ending the process on
-    the spot. Left alone where SIGTERM is not at its default (ignored on purpose, or some
-    embedding program's handler) or off the main thread (where handlers cannot be set)."""
+def sigterm_unwinds():
+    """Inside, SIGTERM raises Terminated instead of ending the process on the spot, so a
+    command that owns child processes (compile) stops them as on Ctrl-C. Only where that is
+    needed: elsewhere dying at once is the better answer to SIGTERM. Left alone where
+    SIGTERM is not at its default (ignored on purpose, or an embedding program's handler)
+    or off the main thread (where handlers cannot be set)."""
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
