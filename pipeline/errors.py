@@ -104,8 +104,8 @@ class MissingBucketsError(InputError):
 
 
 class ManifestError(InputError):
-    """A release manifest is malformed (invalid JSON, a missing, unknown or mistyped field):
-    republishing fixes it, retrying never does (exit 2)."""
+    """A release manifest (or a channel pointer) is malformed (invalid JSON, a missing,
+    unknown or mistyped field): republishing fixes it, retrying never does (exit 2)."""
 
 
 class RuntimeMismatchError(InputError):

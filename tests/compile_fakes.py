@@ -4,9 +4,14 @@ It runs in the real worker processes, so timeouts, crashes and kills are real. W
 bucket does comes from the environment (inherited by the workers), never from the config,
 so behaviours do not change cache keys:
 
-    FAKE_COMPILE        JSON {bucket name: "fail" | "crash" | "hang" | "sleep:SECONDS"}
-    FAKE_COMPILE_TRACE  a directory; each compile writes <bucket>.json there with its pid,
-                        start and end times (end only when it returns)
+    FAKE_COMPILE        JSON {bucket name: "fail" | "crash" | "hang" | "sleep:SECONDS" |
+                        "compiler-hang"}; "compiler-hang" starts a real child "compiler"
+                        process (in the worker's process group, as g++ or neuronx-cc would
+                        be) that never ends by itself and shrugs off SIGTERM (only SIGKILL
+                        ends it), and waits for it
+    FAKE_COMPILE_TRACE  a directory; each compile writes <bucket>.json there with its pid
+                        (and "compiler": the child's pid), start and end times (end only when
+                        it returns); a compiler writes <bucket>.compiler (see COMPILER)
     FAKE_PREPARE        "fail": the once-per-run prepare step raises
 """
 
@@ -15,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +29,20 @@ from pipeline.compile.backends import register, unregister
 from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
 
 NAME = "fake"
+# The child "compiler" of "compiler-hang": argv[1] is a file it appends "ready TIME" to once
+# its SIGTERM handler is in place and "sigterm TIME" on each SIGTERM (or "-"); argv[2] is a
+# marker (the bucket's out dir) that tests look for among live processes.
+COMPILER = """
+import signal, sys, time
+def note(what):
+    if sys.argv[1] != "-":
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{what} {time.time()!r}\\n")
+signal.signal(signal.SIGTERM, lambda *_: note("sigterm"))
+note("ready")
+while True:
+    time.sleep(1)
+"""
 
 
 class FakeBackend(Backend):
@@ -52,6 +73,16 @@ class FakeBackend(Backend):
             os.kill(os.getpid(), signal.SIGKILL)
         if behaviour == "hang":
             time.sleep(3600)
+        if behaviour == "compiler-hang":
+            notes = str(Path(trace, f"{name}.compiler")) if trace else "-"
+            compiler = subprocess.Popen(
+                [sys.executable, "-c", COMPILER, notes, str(job.out_dir)],
+                stdin=subprocess.DEVNULL,
+            )
+            record["compiler"] = compiler.pid
+            if trace:
+                Path(trace, f"{name}.json").write_text(json.dumps(record))
+            compiler.wait()
         if behaviour.startswith("sleep:"):
             time.sleep(float(behaviour.split(":", 1)[1]))
         graph = job.out_dir / "graph.bin"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,8 @@ from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.cache import read_cache_entry
 from tests import compile_fakes
+from tests.proc_helpers import alive as _alive
+from tests.proc_helpers import live_with as _live_with
 
 REPO = Path(__file__).resolve().parent.parent
 GRID = "batch_sizes: [1, 2]\n  sequence_lengths: [32, 64]"
@@ -36,8 +39,12 @@ compiler:
   timeout_s: 60
 store: store
 """
-# Runs the CLI with the fake backend registered, as a separate process.
-DRIVER = "import sys; from tests import compile_fakes; compile_fakes.install(); " + (
+# Runs the CLI with the fake backend registered, as a separate process. SIGINT is set to
+# raise KeyboardInterrupt again: a test run started in the background by a shell (`make
+# test &`, some CI runners) inherits SIGINT ignored, and then Ctrl-C tests could only time out.
+DRIVER = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from tests import compile_fakes; compile_fakes.install(); "
     "from pipeline.cli import main; sys.argv[0] = 'inf2-pipeline'; main()"
 )
 
@@ -209,18 +216,107 @@ def test_ctrl_c_stops_the_compilers_and_writes_no_entry(config, tmp_path):
     cmd = [sys.executable, "-c", DRIVER, "compile", str(config), "--backend", "fake", "-j", "2"]
     cmd += ["--workdir", str(tmp_path / "work")]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while len(list(trace.glob("*.json"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    pids = [json.loads(p.read_text())["pid"] for p in trace.glob("*.json")]
-    assert len(pids) == 2
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    try:
+        deadline = time.monotonic() + 120  # two workers start: slow only on a loaded box
+        while len(_traces(trace)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [t["pid"] for t in _traces(trace).values()]
+        assert len(pids) == 2
+        proc.send_signal(signal.SIGINT)
+        # One shared grace period (KILL_GRACE_S) at most, then exit: 120 s only bounds a
+        # machine that is very busy; a hang fails here instead of hanging the suite.
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _stop(proc)
     assert proc.returncode == 130
     assert "b2_s64 interrupted" in err and "b1_s64 interrupted" in err
     assert err.strip().splitlines()[-1] == "error: interrupted"
     assert not any(_alive(pid) for pid in pids)
     assert entries(config.parent / "store") == {}
+
+
+# -- workers and their compilers never outlive the compile command --------------------------
+
+
+def _start_compilers(config: Path, tmp_path: Path) -> tuple[subprocess.Popen, Path, str]:
+    """The compile CLI with two workers, each waiting on a stubborn child compiler (see
+    compile_fakes "compiler-hang"); returns once both compilers handle SIGTERM. Also the
+    trace dir and the marker (the workdir) in every worker's and compiler's argv."""
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    workdir = tmp_path / "work"
+    env = {
+        **os.environ,
+        "FAKE_COMPILE": json.dumps(dict.fromkeys(_names(config), "compiler-hang")),
+        "FAKE_COMPILE_TRACE": str(trace),
+        "PYTHONPATH": str(REPO),
+    }
+    cmd = [sys.executable, "-c", DRIVER, "compile", str(config), "--backend", "fake", "-j", "2"]
+    cmd += ["--workdir", str(workdir)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(_ready_compilers(trace)) == 2:
+            return proc, trace, str(workdir)
+        time.sleep(0.1)
+    _stop(proc)
+    raise AssertionError(f"two compilers did not start: {proc.stderr.read()}")
+
+
+def test_sigkilled_compile_leaves_no_worker_or_compiler(config, tmp_path):
+    proc, trace, marker = _start_compilers(config, tmp_path)
+    try:
+        pids = [p for t in _traces(trace).values() for p in (t["pid"], t["compiler"])]
+        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        assert set(pids) <= set(_live_with(marker))  # the marker finds them
+        proc.kill()  # no handler runs: the workers are on their own
+        proc.wait()
+        # The workers see it at once (parent-death signal) or within WATCH_S (their watch
+        # thread); 20 s is slack for a loaded machine, not the expected time.
+        deadline = time.monotonic() + 20
+        while _live_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _live_with(marker) == []
+        assert not any(_alive(p) for p in pids)
+    finally:
+        _stop(proc, marker)
+    assert entries(config.parent / "store") == {}
+
+
+def test_ctrl_c_under_load_stops_all_workers_within_one_grace_period(config, tmp_path, busy_cores):
+    from pipeline.compile.runner import KILL_GRACE_S
+
+    proc, trace, marker = _start_compilers(config, tmp_path)
+    try:
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        took = time.monotonic() - start
+    finally:
+        _stop(proc, marker)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "error: interrupted"
+    # The compilers ignore SIGTERM, so each group lasts its whole grace period and then is
+    # SIGKILLed. Both got SIGTERM at once: one kill per group in turn would space them a
+    # whole grace period apart. (A woken sleeper runs within milliseconds even with both
+    # cores busy; KILL_GRACE_S of slack is over a hundred times that.)
+    sigterms = [
+        float(line.split()[1])
+        for f in trace.glob("*.compiler")
+        for line in f.read_text().splitlines()
+        if line.startswith("sigterm")
+    ]
+    assert len(sigterms) == 2, sigterms
+    assert max(sigterms) - min(sigterms) < KILL_GRACE_S
+    # The bound: one grace period plus the CLI's own exit. The work after SIGINT is a few
+    # signals and the interpreter's exit, well under a second of CPU; with two busy loops
+    # this process gets at least a third of a core, so 20 s more is ample. (Stopping the
+    # groups one after another would take a grace period per worker.)
+    assert took < KILL_GRACE_S + 20
+    deadline = time.monotonic() + 20  # SIGKILLed processes exit asynchronously
+    while _live_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live_with(marker) == []
 
 
 def test_interrupt_between_blobs_and_entry_leaves_no_entry(config, monkeypatch):
@@ -344,11 +440,47 @@ def _starts(spans: dict) -> list[float]:
     return [s["start"] for s in spans.values()]
 
 
-def _alive(pid: int) -> bool:
+def _traces(trace: Path) -> dict[str, dict]:
+    """Each started compile's trace record (a file being written is skipped)."""
+    out = {}
+    for p in trace.glob("*.json"):
+        with contextlib.suppress(ValueError):
+            out[p.stem] = json.loads(p.read_text())
+    return out
+
+
+def _ready_compilers(trace: Path) -> list[str]:
+    return [
+        p.stem
+        for p in trace.glob("*.compiler")
+        if "ready" in p.read_text() and "compiler" in _traces(trace).get(p.stem, {})
+    ]
+
+
+def _stop(proc: subprocess.Popen, marker: str | None = None) -> None:
+    """A failed test must not leave its processes behind."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+    for pid in _live_with(marker) if marker else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_stops_the_workers_like_ctrl_c(config, tmp_path):
+    """A pod's or CI job's stop (SIGTERM) unwinds like Ctrl-C: workers and compilers are
+    stopped, no entry written, exit 143 with one line."""
+    proc, _, marker = _start_compilers(config, tmp_path)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes; only a running process counts.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _stop(proc, marker)
+    assert proc.returncode == 143, err
+    assert "b2_s64 interrupted" in err and "b1_s64 interrupted" in err
+    assert err.strip().splitlines()[-1] == "error: terminated"
+    deadline = time.monotonic() + 20  # SIGKILLed processes exit asynchronously
+    while _live_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _live_with(marker) == []
+    assert entries(config.parent / "store") == {}

@@ -95,11 +95,13 @@ def test_twenty_thousand_requests_sixteen_buckets_under_two_seconds():
     rng = random.Random(0)
     # Every length distinct-ish over a wide range: the most candidates, the slowest case.
     lengths = [rng.randint(1, 32_768) for _ in range(20_000)]
-    start = time.perf_counter()
+    # CPU time, not wall time: on a 2-core machine that other processes keep busy, the wall
+    # clock measured the neighbours (2.7 s once under two busy loops), not fit.
+    start = time.process_time()
     r = fit(lengths, max_buckets=16)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert len(r.buckets) == 16 and r.efficiency > r.baselines["pow2"].efficiency
-    assert elapsed < 2.0, f"fit took {elapsed:.2f} s"
+    assert elapsed < 2.0, f"fit took {elapsed:.2f} s of CPU"
 
 
 def test_efficiency_never_falls_as_buckets_are_added():

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
@@ -26,8 +29,9 @@ StoreOpt = Annotated[
 class OneLineErrors(TyperGroup):
     """Turns PipelineError and usage errors into ``error: <what>: <why> (<hint>)``.
 
-    Exit codes: 2 bad input, 1 outside-world failure, 130 interrupted. ``--debug`` keeps
-    the traceback.
+    Exit codes: 2 bad input, 1 outside-world failure, 130 interrupted (SIGINT), 143
+    terminated (SIGTERM, in commands that run ``sigterm_unwinds``). ``--debug`` keeps the
+    traceback.
     """
 
     def main(self, args=None, prog_name=None, standalone_mode=True, **extra):  # type: ignore[override]
@@ -53,6 +57,8 @@ class OneLineErrors(TyperGroup):
             sys.exit(e.exit_code)
         except (typer.Abort, KeyboardInterrupt):
             _fail("interrupted", 130)
+        except Terminated:
+            _fail("terminated", 143)
         except cx.ClickException as e:
             _fail(e.format_message(), e.exit_code)
         except OSError as e:
@@ -62,7 +68,38 @@ class OneLineErrors(TyperGroup):
         return None
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived. A BaseException, like KeyboardInterrupt, so that ``finally`` and
+    cleanup handlers run (the compile runner stops its workers) and nothing swallows it."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextmanager
+def sigterm_unwinds():
+    """Inside, SIGTERM raises Terminated instead of ending the process on the spot, so a
+    command that owns child processes (compile) stops them as on Ctrl-C. Only where that is
+    needed: elsewhere dying at once is the better answer to SIGTERM. Left alone where
+    SIGTERM is not at its default (ignored on purpose, or an embedding program's handler)
+    or off the main thread (where handlers cannot be set)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _fail(message: str, code: int) -> None:
+    # One line, always: a newline from a file's contents (a key, a path) is shown escaped.
+    message = message.strip().replace("\r", "\\r").replace("\n", "\\n")
     typer.echo(f"error: {message}", err=True)
     sys.exit(code)
 

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOpt, StoreOpt, print_json
+from pipeline.cli._common import JsonOpt, StoreOpt, print_json, sigterm_unwinds
 
 BackendOpt = Annotated[
     str | None,
@@ -103,7 +103,8 @@ def _compile(release, backend, jobs, shard, workdir, store, download, json):
     from pipeline.compile.progress import make_progress, summary_table
     from pipeline.compile.runner import compile_release
 
-    with make_progress(_shard_size(release, shard)) as progress:
+    # SIGTERM (a pod or CI job stopped) stops the workers as Ctrl-C does: exit 143.
+    with sigterm_unwinds(), make_progress(_shard_size(release, shard)) as progress:
         report = compile_release(
             release,
             backend=backend,

@@ -226,9 +226,11 @@ class _Scheduler:
                 r.status, r.error = "failed", str(e)
                 self.emit("done", r)
         except BaseException:
-            # Ctrl-C (or any crash here): stop every child compiler, write no entry.
+            # Ctrl-C, SIGTERM (or any crash here): stop every child compiler at once, write
+            # no entry. Were this process killed outright, the workers end themselves
+            # (worker.die_with_parent).
+            _kill(*(job.proc for job in running))
             for job in running:
-                _kill(job.proc)
                 job.result.status, job.result.error = "interrupted", "stopped, no entry written"
                 self.emit("done", job.result)
             raise
@@ -394,7 +396,8 @@ class _PrepareFailed(Exception):
 
 
 def _spawn(spec: dict[str, Any], spec_file: Path, result_file: Path, log: Path):
-    """Start a worker in its own process group (so a kill reaches its compilers too)."""
+    """Start a worker in its own process group (so a kill reaches its compilers too), told
+    our pid so that it ends that group if we die without killing it (SIGKILL, OOM)."""
     spec_file.parent.mkdir(parents=True, exist_ok=True)
     spec_file.write_text(json.dumps(spec, indent=2))
     result_file.unlink(missing_ok=True)
@@ -403,7 +406,15 @@ def _spawn(spec: dict[str, Any], spec_file: Path, result_file: Path, log: Path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     with open(log, "wb") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "pipeline.compile.worker", str(spec_file), str(result_file)],
+            [
+                sys.executable,
+                "-m",
+                "pipeline.compile.worker",
+                str(spec_file),
+                str(result_file),
+                "--parent",
+                str(os.getpid()),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -412,16 +423,38 @@ def _spawn(spec: dict[str, Any], spec_file: Path, result_file: Path, log: Path):
         )
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """SIGTERM the worker's process group; after a grace period SIGKILL whatever is left of
-    the group (the worker, or compilers it started: g++, neuronx-cc)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=KILL_GRACE_S)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+def _kill(*procs: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+    """SIGTERM every worker's process group at once; after one shared grace period SIGKILL
+    whatever is left of each group (the worker, or compilers it started: g++, neuronx-cc).
+    Bounded by ``grace_s`` plus a moment, however many workers there are."""
+    groups = {p.pid for p in procs}  # each worker leads its own group (start_new_session)
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while groups and time.monotonic() < deadline:
+        for p in procs:
+            p.poll()  # reap workers as they go, so their pids leave the groups
+        groups = {g for g in groups if _group_exists(g)}
+        if groups:
+            time.sleep(POLL_S)
+    for pgid in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _group_exists(pgid: int) -> bool:
+    # Zombies still count until their parent (or init) reaps them: then we wait the
+    # full grace, which is the bound anyway.
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _last_error(log: Path | None, code: int | None = None) -> str:

@@ -16,9 +16,15 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipeline.errors import AlreadyExistsError, ConflictError, NotFoundError, StoreError
+from pipeline.errors import (
+    AlreadyExistsError,
+    ConflictError,
+    ManifestError,
+    NotFoundError,
+)
 from pipeline.store.base import Store
 from pipeline.store.layout import channel_key, channels_prefix, release_key
+from pipeline.store.manifest import first_problem
 
 CHANNEL_SCHEMA = 1
 HISTORY = 20  # moves kept in the pointer file
@@ -57,20 +63,25 @@ def read_channel(store: Store, model: str, channel: str) -> Channel | None:
 
 
 def _parse(store: Store, model: str, channel: str, data: bytes) -> Channel:
+    """A malformed pointer is one line naming the field, exit 2: it is written atomically,
+    so no retry will find it any different (a pod restarting on it would loop forever)."""
+    what = f"channel '{channel}' of model '{model}' ({store.url}/{channel_key(model, channel)})"
+    hint = f"re-promote: 'inf2-pipeline promote {model} VERSION --channel {channel}'"
     try:
         raw = json.loads(data)
-        # Older or hand-written pointers hold only {"version": ...}.
-        raw.setdefault("model", model)
-        raw.setdefault("channel", channel)
-        raw.setdefault("by", "unknown")
-        raw.setdefault("at", "")
+    except ValueError as e:
+        raise ManifestError(what, f"not valid JSON ({e})", hint) from None
+    if not isinstance(raw, dict):
+        raise ManifestError(what, "not a JSON object", hint)
+    # Older or hand-written pointers hold only {"version": ...}.
+    raw.setdefault("model", model)
+    raw.setdefault("channel", channel)
+    raw.setdefault("by", "unknown")
+    raw.setdefault("at", "")
+    try:
         return Channel.model_validate(raw)
-    except (ValueError, AttributeError, ValidationError) as e:
-        raise StoreError(
-            f"{store.url}/{channel_key(model, channel)}",
-            f"unreadable channel pointer: {e}",
-            f"re-promote: 'inf2-pipeline promote {model} VERSION --channel {channel}'",
-        ) from None
+    except ValidationError as e:
+        raise ManifestError(what, first_problem(e), hint) from None
 
 
 def list_channels(store: Store, model: str) -> dict[str, Channel]:

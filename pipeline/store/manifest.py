@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,7 +33,8 @@ class BucketEntry(BaseModel):
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schema_version: int = MANIFEST_SCHEMA
+    # Strict: "2" or 2.0 is a wrong type, not a schema this reader may claim to know.
+    schema_version: Annotated[int, Field(strict=True, ge=1)] = MANIFEST_SCHEMA
     model: str
     version: str
     created: str  # ISO 8601, UTC
@@ -95,14 +96,15 @@ def parse_manifest(data: bytes, what: str) -> Manifest:
     try:
         return Manifest.model_validate(raw)
     except ValidationError as e:
-        raise ManifestError(what, _first_problem(e), REPUBLISH) from None
+        raise ManifestError(what, first_problem(e), REPUBLISH) from None
 
 
 REPUBLISH = "the manifest is malformed; republish the release"
 
 
-def _first_problem(e: ValidationError) -> str:
-    """pydantic's first error as 'field F: why' on one line (no URL), plus how many more."""
+def first_problem(e: ValidationError) -> str:
+    """pydantic's first error as 'field F: why' on one line (no URL), plus how many more.
+    Field names come from the file: control characters in them are shown escaped."""
     errors = e.errors(include_url=False)
     first = errors[0]
     field = ".".join(str(p) for p in first["loc"]) or "(top level)"
@@ -110,4 +112,8 @@ def _first_problem(e: ValidationError) -> str:
         first["type"], str(first["msg"]).splitlines()[0]
     )
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"field '{field}': {why}{more}"
+    return f"field '{_printable(field)}': {_printable(why)}{more}"
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
