@@ -112,7 +112,8 @@ def install_fake_sdk(root: Path, monkeypatch, versions: dict[str, str] | None = 
     bin_dir.mkdir(parents=True)
     for name, text in (("optimum-cli", OPTIMUM_CLI), ("neuronx-cc", NEURONX_CC)):
         path = bin_dir / name
-        path.write_text(text.replace("{python}", sys.executable).replace("{cc_version}", CC_VERSION))
+        text = text.replace("{python}", sys.executable).replace("{cc_version}", CC_VERSION)
+        path.write_text(text)
         path.chmod(0o755)
     write_dist_info(root / "neuron-site", versions or VERSIONS)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")

@@ -89,6 +89,7 @@ class Backend(ABC):
     def check_model(self, checkpoint: Path) -> None:
         """Raise one line (an InputError) if this backend cannot compile the checkpoint's
         architecture. Default: whatever the planner accepts."""
+        return None
 
     def prepare(self, model_dir: Path, dtype: str, out_dir: Path) -> dict[str, Path]:
         """Make files every bucket shares (once per run, in a worker). Default: none."""
