@@ -66,7 +66,7 @@ def plan(config: ConfigArg, json: JsonOpt = False) -> None:
         )
     out.print(table)
     r = p.resident
-    copies = "each with its own weights copy" if r.weights_per_bucket else "sharing one weights copy"
+    copies = "a weights copy each" if r.weights_per_bucket else "sharing one weights copy"
     out.print(
         f"all {len(p.buckets)} buckets resident together ({copies}): "
         f"{human_bytes(r.total_bytes)} per NeuronCore of {human_bytes(p.instance.hbm_per_core)}"
