@@ -246,5 +246,5 @@ def test_a_release_exported_with_another_optimum_neuron_is_refused(
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["versions"]["optimum-neuron"] = "0.4.4"
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(RuntimeMismatchError, match="exported with optimum-neuron 0.4.4"):
+    with pytest.raises(RuntimeMismatchError, match=r"exported with optimum-neuron 0\.4\.4"):
         BucketedModel.load(copy)
