@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -15,67 +14,7 @@ from typer.testing import CliRunner
 
 from pipeline.errors import InputError, RuntimeMismatchError
 from pipeline.plan.buckets import Bucket
-from tests.neuron_fakes import VERSIONS, install_fake_sdk
-
-STANDIN = Path(__file__).resolve().parent / "neuron_standin"
-CONFIG = """
-model:
-  name: tiny-neuron
-  checkpoint: {ckpt}
-  dtype: float32
-target:
-  backend: neuron
-  instance_type: inf2.xlarge
-  tp_degree: 2
-buckets:
-  batch_sizes: [1, 2]
-  sequence_lengths: [16, 32, 64]
-compiler:
-  flags: ["-O1"]
-  timeout_s: 120
-store: store
-"""
-
-
-@pytest.fixture(scope="module")
-def neuron_release(tiny_checkpoint, tmp_path_factory):
-    """(store dir, DEST/MODEL) of the tiny model compiled for neuron by the stand-in exporter."""
-    from pipeline.compile import backends
-    from pipeline.compile.release import publish_release
-    from pipeline.compile.runner import compile_release
-    from pipeline.install.pull import pull_release
-    from pipeline.plan.config import load_config
-    from pipeline.store import open_store
-
-    root = tmp_path_factory.mktemp("neuron-release")
-    config = root / "release.yaml"
-    config.write_text(textwrap.dedent(CONFIG).replace("{ckpt}", str(tiny_checkpoint)))
-    with pytest.MonkeyPatch.context() as mp:
-        install_fake_sdk(root, mp)
-        backends._instances.clear()
-        release = load_config(config)
-        report = compile_release(release, jobs=2, workdir=root / "work")
-        assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
-        version = publish_release(release, version="v1").version
-        backends._instances.clear()
-    pull_release(open_store(str(root / "store")), release.name, root / "models", version=version)
-    return root / "store", root / "models" / release.name
-
-
-@pytest.fixture
-def standin(monkeypatch):
-    """The stand-in optimum.neuron first on sys.path, its call log empty."""
-    for name in [m for m in sys.modules if m == "optimum" or m.startswith("optimum.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.syspath_prepend(str(STANDIN))
-    import optimum.neuron as module
-
-    assert module.__file__.startswith(str(STANDIN))
-    module.CALLS.clear()
-    yield module
-    import gc
-
-    gc.collect()
+from tests.neuron_fakes import VERSIONS
 
 
 def loads(module) -> list[str]:

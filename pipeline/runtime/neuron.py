@@ -163,6 +163,10 @@ class NeuronRunner:
             if bucket not in self._loaded and self.used + self.costs[bucket] <= self.budget:
                 self.session(bucket)
 
+    def unload(self, bucket: Bucket) -> None:
+        if self._loaded.pop(bucket, None) is not None:
+            gc.collect()
+
     def session(self, bucket: Bucket) -> NeuronSession:
         if bucket in self._loaded:
             self._loaded.move_to_end(bucket)

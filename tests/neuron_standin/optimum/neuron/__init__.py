@@ -12,8 +12,9 @@ Put ``tests/neuron_standin`` first on sys.path to use it. ``NeuronModelForCausal
   upstream's refuses (generation_utils.py:76-139: a batch larger than the export's, an input
   longer than its sequence length, left padding, output_logits/output_scores/
   return_dict_in_generate) and returns the input ids followed by the new tokens, as
-  transformers' generate does. The tokens are deterministic: ``next_token(row)`` of the row's
-  real (unpadded) tokens so far, so every bucket gives the same tokens for the same prompt.
+  transformers' generate does. The tokens are deterministic: ``NEXT_TOKEN(row, vocab)`` of the
+  row's real (unpadded) tokens so far (default ``next_token``), so every bucket gives the same
+  tokens for the same prompt.
 
 ``CALLS`` records every call; ``LIVE`` holds the loaded models' directories until each model
 is garbage-collected (what an unloaded bucket looks like).
@@ -35,6 +36,9 @@ LIVE: dict[int, str] = {}
 
 def next_token(tokens: list[int], vocab: int) -> int:
     return (sum((i + 1) * t for i, t in enumerate(tokens)) * 31 + len(tokens)) % vocab
+
+
+NEXT_TOKEN = next_token  # tests may put a real model's greedy choice here
 
 
 class NeuronModelForCausalLM:
@@ -100,7 +104,7 @@ class NeuronModelForCausalLM:
                 raise ValueError("prompt + max_new_tokens exceeds the sequence length")
             out: list[int] = []
             while len(out) < max_new and not (out and eos is not None and out[-1] == eos):
-                out.append(next_token(row + out, vocab))
+                out.append(NEXT_TOKEN(row + out, vocab))
             new.append(out + [pad] * (max_new - len(out)))
         # transformers' generate: the (padded) input, then the new tokens.
         return torch.cat([input_ids, torch.tensor(new, dtype=input_ids.dtype)], dim=1)
