@@ -132,3 +132,27 @@ def test_compile_backend_neuron_refuses_in_one_line(
     assert r.exit_code == 2, r.output
     (line,) = r.stderr.strip().splitlines()
     assert "has a sliding window (4096 tokens), so it cannot be exported as llama" in line
+
+
+def test_plan_sizes_the_release_dtype_and_every_bucket_resident(tmp_path, write_config):
+    from pipeline.plan.config import load_config
+    from pipeline.plan.report import plan_release
+
+    bf16 = plan_release(load_config(REPO / "configs/qwen2.5-7b-inf2.8xlarge.yaml"))
+    data = (REPO / "configs/qwen2.5-7b-inf2.8xlarge.yaml").read_text()
+    fp32 = tmp_path / "configs" / "fp32.yaml"
+    fp32.parent.mkdir()
+    fp32.write_text(data.replace("dtype: bfloat16", "dtype: float32"))
+    (tmp_path / "models").symlink_to(REPO / "models")
+    wide = plan_release(load_config(fp32))
+    # The dtype the exporter is handed is the one plan sizes: 2 bytes against 4.
+    assert wide.weight_bytes_per_core == 2 * bf16.weight_bytes_per_core
+    r = bf16.resident
+    each = [bf16.weight_bytes_per_core + m.kv_cache_bytes for m in bf16.buckets]
+    assert r.weights_per_bucket and r.total_bytes == sum(each) and not r.fits
+    assert r.max_loaded == 2  # ~7.1 GiB of weights per core per bucket, 16 GiB per core
+    out = CliRunner().invoke(app, ["plan", str(REPO / "configs/qwen2.5-7b-inf2.8xlarge.yaml")])
+    assert out.exit_code == 0
+    text = " ".join(out.stdout.split())
+    assert "all 6 buckets resident together (a weights copy each): 43.13 GiB" in text
+    assert "keeps at most 2 of 6 loaded at once" in text
