@@ -196,6 +196,9 @@ def standin(monkeypatch):
     assert module.__file__.startswith(str(STANDIN))
     module.CALLS.clear()
     yield module
+    # Imported here, so not restored by monkeypatch: later tests must not find the stand-in.
+    for name in [m for m in sys.modules if m == "optimum" or m.startswith("optimum.")]:
+        del sys.modules[name]
     import gc
 
     gc.collect()
