@@ -6,9 +6,27 @@ STAMP  := $(VENV)/.installed
 CLI    := $(BIN)/inf2-pipeline
 DEMO_CONFIG := configs/tiny-llama.yaml
 
-.PHONY: demo test bench lint clean venv
+.PHONY: demo test bench lint clean venv neuron-venv
 
 venv: $(STAMP)
+
+# A side environment with optimum-neuron 0.4.5 (and its pins: transformers 4.57, optimum 2.0,
+# CPU torch), apart from .venv whose transformers is 5.x. Tests run upstream's own parser,
+# decoder registry and class signatures in it (tests/neuron_upstream.py); it never imports the
+# pipeline. Built once, reused until this Makefile changes. No Neuron SDK: PyPI has only
+# placeholders of it, and nothing here compiles or runs on a NeuronCore.
+NEURON_VENV ?= .neuron-venv
+NEURON_STAMP := $(NEURON_VENV)/.installed
+OPTIMUM_NEURON := optimum-neuron==0.4.5
+
+neuron-venv: $(NEURON_STAMP)
+
+$(NEURON_STAMP): Makefile
+	rm -rf $(NEURON_VENV)
+	$(PYTHON) -m venv $(NEURON_VENV)
+	$(NEURON_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(NEURON_VENV)/bin/python -m pip install -q '$(OPTIMUM_NEURON)'
+	touch $@
 
 # torch is pinned first so that pip takes the local CPU build instead of a multi-GB CUDA one.
 $(STAMP): pyproject.toml
@@ -23,8 +41,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	CLI=$(CLI) PY=$(BIN)/python scripts/demo.sh
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+test: $(STAMP) $(NEURON_STAMP)
+	INF2_NEURON_VENV=$(abspath $(NEURON_VENV)) $(BIN)/python -m pytest -q
 
 # CPU benchmarks; the GPU ones (bench_cuda_*.py) need an NVIDIA GPU: see bench/RESULTS.md.
 bench: $(STAMP)
@@ -35,4 +53,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check pipeline tests bench
 
 clean:
-	rm -rf $(VENV) models/tiny-llama pulled work .pytest_cache
+	rm -rf $(VENV) $(NEURON_VENV) models/tiny-llama pulled work .pytest_cache

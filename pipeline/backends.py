@@ -28,6 +28,7 @@ BACKENDS: dict[str, BackendSpec] = {
         BackendSpec(
             "neuron",
             compiler="pipeline.compile.backends.neuron:NeuronBackend",
+            runtime="pipeline.runtime.neuron:NeuronRunner",
             parity="pipeline.parity.runners:NeuronRunner",
         ),
         BackendSpec(

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# A neuron release made with the stand-in exporter, and the stand-in optimum.neuron.
+from tests.neuron_fakes import neuron_release, standin  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -1,16 +1,16 @@
 """The neuron backend against the documented CLI contract, with stand-in executables.
 
 No Neuron SDK runs here: ``optimum-cli`` and ``neuronx-cc`` are small scripts these tests put
-on PATH. They record how they were called and behave as told by FAKE_NEURON_MODE: ok, fail
-(exit 3), no-output (exit 0, write nothing), hang, crash (SIGSEGV). What they check is our
-side of the contract: arguments, environment, exit codes, output files, timeout, logs.
+on PATH (tests/neuron_fakes.py). They record how they were called and behave as told by
+FAKE_NEURON_MODE. What they check is our side of the contract: arguments, environment, the
+checkpoint handed over, exit codes, output files, timeout, logs. The argument names
+themselves are checked against upstream's real parser in tests/test_neuron_upstream.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,15 +23,15 @@ from pipeline.compile.runner import compile_release
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.cache import read_cache_entry
+from tests.neuron_fakes import CC_VERSION, VERSIONS, install_fake_sdk
 
 pytestmark = pytest.mark.contract
 
-VERSION = "2.15.128.0+56dc5a86"
 CONFIG = """
 model:
   name: tiny
   checkpoint: {ckpt}
-  dtype: bfloat16
+  dtype: DTYPE
 target:
   backend: neuron
   instance_type: inf2.24xlarge
@@ -45,40 +45,6 @@ compiler:
   timeout_s: 60
 store: store
 """
-OPTIMUM_CLI = r"""#!{python}
-import json, os, signal, sys, time
-from pathlib import Path
-mode = os.environ.get("FAKE_NEURON_MODE", "ok")
-out = Path(sys.argv[-1])
-record = {"argv": sys.argv[1:], "NEURON_CC_FLAGS": os.environ.get("NEURON_CC_FLAGS"),
-          "pid": os.getpid()}
-Path(os.environ["FAKE_NEURON_RECORD"]).write_text(json.dumps(record))
-print("Compiler status PASS" if mode == "ok" else f"stand-in mode {mode}", flush=True)
-if mode == "fail":
-    print("neuronx-cc: error: out of memory compiling the graph", file=sys.stderr)
-    sys.exit(3)
-if mode == "hang":
-    time.sleep(3600)
-if mode == "crash":
-    os.kill(os.getpid(), signal.SIGSEGV)
-if mode == "ok":
-    out.mkdir(parents=True, exist_ok=True)
-    batch = sys.argv[sys.argv.index("--batch_size") + 1]
-    (out / "model.pt").write_bytes(f"neff graphs for batch {batch}".encode())
-    (out / "neuron_config.json").write_text(json.dumps({"tp_degree": 4}))
-    (out / "config.json").write_text("{}")
-    (out / "checkpoint" / "weights").mkdir(parents=True)
-    (out / "checkpoint" / "weights" / "tp0_sharded_checkpoint.safetensors").write_bytes(b"w")
-"""
-NEURONX_CC = r"""#!{python}
-import os, sys
-if os.environ.get("FAKE_NEURONX_CC_BROKEN"):
-    print("ImportError: this is a placeholder package", file=sys.stderr)
-    sys.exit(1)
-assert sys.argv[1:] == ["--version"], sys.argv
-print("NeuronX Compiler version {version}")
-print("Python version 3.10.12")
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -91,22 +57,19 @@ def fresh_backends(tmp_path, monkeypatch):
 
 @pytest.fixture
 def sdk(tmp_path, monkeypatch) -> Path:
-    """Stand-ins for the Neuron SDK on PATH; returns the file the exporter records into."""
-    bin_dir = tmp_path / "neuron-bin"
-    bin_dir.mkdir()
-    for name, text in (("optimum-cli", OPTIMUM_CLI), ("neuronx-cc", NEURONX_CC)):
-        path = bin_dir / name
-        path.write_text(text.replace("{python}", sys.executable).replace("{version}", VERSION))
-        path.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    record = tmp_path / "record.json"
-    monkeypatch.setenv("FAKE_NEURON_RECORD", str(record))
-    return record
+    """Stand-ins for the Neuron SDK (tests/neuron_fakes.py); returns the exporter's record."""
+    return install_fake_sdk(tmp_path, monkeypatch)
 
 
 @pytest.fixture
 def config(write_config) -> Path:
-    return write_config(CONFIG)
+    # float32 like the tiny checkpoint: nothing to cast, so prepare needs no torch (fast)
+    return write_config(CONFIG.replace("DTYPE", "float32"))
+
+
+@pytest.fixture
+def config_bf16(write_config) -> Path:
+    return write_config(CONFIG.replace("DTYPE", "bfloat16"))
 
 
 def compile_(config: Path, **kw):
@@ -114,54 +77,114 @@ def compile_(config: Path, **kw):
     return result
 
 
-def test_neuron_contract_arguments_environment_and_outputs(sdk, config, tiny_checkpoint):
+def test_neuron_contract_arguments_environment_and_outputs(
+    sdk, config_bf16, tiny_checkpoint, monkeypatch
+):
+    config = config_bf16
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--cache_dir=/var/cache/neuron")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", "s3://bucket/neuron-cache")
     result = compile_(config)
     assert result.status == "compiled", result.error
     call = json.loads(sdk.read_text())
+    model = Path(call["argv"][call["argv"].index("--model") + 1])
     assert call["argv"][:-1] == [
         "export",
         "neuron",
         "--model",
-        str(tiny_checkpoint),  # the original checkpoint: Neuron's tooling pads heads itself
+        str(model),
         "--task",
         "text-generation",
         "--batch_size",
         "2",
         "--sequence_length",
         "64",
-        "--num_cores",
+        "--tensor_parallel_size",
         "4",
-        "--auto_cast_type",
-        "bf16",
-        "--torch_dtype",
-        "bfloat16",
+        "--instance_type",
+        "inf2",
     ]
-    assert call["NEURON_CC_FLAGS"] == "--model-type=transformer -O1"  # inductor.* left out
+    # The user's flags first, the config's appended (inductor.* left out); the cache URL
+    # reaches the exporter untouched.
+    assert call["NEURON_CC_FLAGS"] == "--cache_dir=/var/cache/neuron --model-type=transformer -O1"
+    assert call["NEURON_COMPILE_CACHE_URL"] == "s3://bucket/neuron-cache"
+    # The checkpoint handed over: config.json in the release dtype, weights cast (the tiny
+    # checkpoint is fp32), the rest hard-linked.
+    handed = json.loads((model / "config.json").read_text())
+    assert handed["dtype"] == handed["torch_dtype"] == "bfloat16"
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), "pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}  # noqa: SIM118
+    gen = model / "generation_config.json"
+    assert gen.stat().st_ino == (tiny_checkpoint / "generation_config.json").stat().st_ino
     store = open_store(str(config.parent / "store"))
     entry = read_cache_entry(store, result.key)
     assert {f.path for f in entry.files} == {
         "model.pt",
         "neuron_config.json",
         "config.json",
-        "checkpoint/weights/tp0_sharded_checkpoint.safetensors",
+        *(f"checkpoint/weights/tp{r}_sharded_checkpoint.safetensors" for r in range(4)),
     }
     assert entry.meta["log"]["path"] == "compile.log" and entry.meta["log"]["size"] > 0
-    assert entry.meta["versions"] == {"neuronx-cc": VERSION}
-    assert entry.meta["key_material"]["versions"] == {"neuronx-cc": VERSION}
+    want = {"neuronx-cc": CC_VERSION, **VERSIONS}
+    assert entry.meta["versions"] == want
+    assert entry.meta["key_material"]["versions"] == want
+    assert entry.meta["key_material"]["options"]["instance_family"] == "inf2"
     log = result.log.read_text()
     assert "Compiler status PASS" in log and "NEURON_CC_FLAGS=" in log
+    assert "NEURON_COMPILE_CACHE_URL=s3://bucket/neuron-cache" in log
 
 
-def test_neuron_contract_fp32_means_no_auto_cast(tmp_path):
+def test_neuron_contract_argv_has_no_flags_decoders_ignore(tmp_path):
     from pipeline.compile.backends.base import BucketJob
     from pipeline.compile.backends.neuron import export_command
     from pipeline.plan.buckets import Bucket
 
-    job = BucketJob(tmp_path, Bucket(1, 128), 2, {}, "float32", (), "fp32", tmp_path / "out")
-    argv = export_command(job, tmp_path / "out")
-    assert "--auto_cast_type" not in argv
-    assert argv[argv.index("--auto_cast") + 1] == "none"
-    assert argv[argv.index("--torch_dtype") + 1] == "float32"
+    job = BucketJob(
+        tmp_path, Bucket(1, 128), 2, {}, "float32", (), "fp32", tmp_path / "out",
+        instance_type="trn1.32xlarge",
+    )  # fmt: skip
+    argv = export_command(job, tmp_path / "ckpt", tmp_path / "out")
+    assert not {"--auto_cast", "--auto_cast_type", "--torch_dtype", "--num_cores"} & set(argv)
+    assert argv[argv.index("--instance_type") + 1] == "trn1"
+    assert argv[-1] == str(tmp_path / "out")
+
+
+def test_neuron_contract_user_cache_flags_stay_out_of_the_key(sdk, config, monkeypatch):
+    first = compile_(config)
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--cache_dir=/elsewhere --no-cache")
+    assert compile_(config).key == first.key
+    monkeypatch.setenv("NEURON_CC_FLAGS", "-O3")
+    assert compile_(config).key != first.key
+
+
+def test_neuron_contract_a_new_optimum_neuron_recompiles(sdk, config, tmp_path):
+    from tests.neuron_fakes import write_dist_info
+
+    first = compile_(config)
+    write_dist_info(tmp_path / "neuron-site", {"optimum-neuron": "0.4.6"})
+    import shutil
+
+    shutil.rmtree(tmp_path / "neuron-site" / "optimum_neuron-0.4.5.dist-info")
+    backends._instances.clear()
+    second = compile_(config)
+    assert second.status == "compiled" and second.key != first.key
+    assert second.material["versions"]["optimum-neuron"] == "0.4.6"
+
+
+def test_neuron_contract_wrong_dtype_in_the_export_fails_the_bucket(sdk, config, monkeypatch):
+    monkeypatch.setenv("FAKE_NEURON_MODE", "wrong-dtype")
+    result = compile_(config)
+    assert result.status == "failed"
+    assert "torch_dtype 'bfloat16' (expected 'float32')" in result.error
+
+
+def test_neuron_contract_missing_optimum_neuron_is_unavailable(sdk, tmp_path):
+    import shutil
+
+    shutil.rmtree(tmp_path / "neuron-site" / "optimum_neuron-0.4.5.dist-info")
+    why = backends.get_backend("neuron").unavailable_reason()
+    assert "has no optimum-neuron" in why and "optimum-neuron[neuronx]" in why
 
 
 def test_neuron_contract_a_new_compiler_version_recompiles(sdk, config, monkeypatch):
@@ -169,7 +192,7 @@ def test_neuron_contract_a_new_compiler_version_recompiles(sdk, config, monkeypa
     assert compile_(config).status == "cached"
     bin_dir = Path(os.environ["PATH"].split(os.pathsep)[0])
     cc = bin_dir / "neuronx-cc"
-    cc.write_text(cc.read_text().replace(VERSION, "2.16.0.0+deadbeef"))
+    cc.write_text(cc.read_text().replace(CC_VERSION, "2.16.0.0+deadbeef"))
     backends._instances.clear()
     second = compile_(config)
     assert second.status == "compiled" and second.key != first.key
@@ -193,7 +216,7 @@ def test_neuron_contract_success_without_the_output_files_is_a_failure(sdk, conf
 
 def test_neuron_contract_timeout_kills_the_compiler(sdk, config, monkeypatch):
     monkeypatch.setenv("FAKE_NEURON_MODE", "hang")
-    result = compile_(config, timeout_s=2)
+    result = compile_(config, timeout_s=5)
     assert result.status == "timeout"
     pid = json.loads(sdk.read_text())["pid"]
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()

@@ -142,7 +142,8 @@ def test_neuron_release_without_the_neuron_runtime_fails_clearly(installed, tmp_
     (copy / "manifest.json").write_text(json.dumps({**manifest, "backend": "neuron"}))
     r = parity(copy)
     assert r.exit_code == 2
-    assert "Neuron runtime (torch-neuronx) is not installed" in r.stderr
+    assert "is a neuron release and optimum.neuron cannot be imported here" in r.stderr
+    assert "optimum-neuron[neuronx]" in r.stderr
     assert "Traceback" not in r.output
 
 

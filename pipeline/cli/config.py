@@ -65,6 +65,14 @@ def plan(config: ConfigArg, json: JsonOpt = False) -> None:
             "yes" if m.fits else "[red]NO[/]",
         )
     out.print(table)
+    r = p.resident
+    copies = "a weights copy each" if r.weights_per_bucket else "sharing one weights copy"
+    out.print(
+        f"all {len(p.buckets)} buckets resident together ({copies}): "
+        f"{human_bytes(r.total_bytes)} per NeuronCore of {human_bytes(p.instance.hbm_per_core)}"
+        f" ({'fits' if r.fits else 'does not fit'}); the runtime keeps at most "
+        f"{r.max_loaded} of {len(p.buckets)} loaded at once, the least recently used unloaded"
+    )
     if p.tp_options:
         opts = ", ".join(
             f"tp={o.tp} ({o.wasted_attention_fraction:.1%} wasted)" for o in p.tp_options[:5]

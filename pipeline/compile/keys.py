@@ -111,7 +111,7 @@ def key_material(
         "versions": versions if versions is not None else be.versions(),
         "flags": list(cfg.compiler.flags),
         "auto_cast_type": cfg.compiler.auto_cast_type,
-        "options": be.key_options(cfg.compiler.flags),
+        "options": be.key_options(cfg.compiler.flags, cfg.target.instance_type),
     }
 
 

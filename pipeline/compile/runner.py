@@ -141,6 +141,7 @@ def compile_release(
     start = time.monotonic()
     name = resolve_backend(backend or release.config.target.backend)
     be = get_backend(name)
+    be.check_model(release.checkpoint)  # e.g. an architecture the backend cannot export
     store = open_store(store or release.store_url) if not isinstance(store, Store) else store
     workdir = Path(workdir or default_workdir(release)).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -312,6 +313,7 @@ class _Scheduler:
             auto_cast_type=cfg.compiler.auto_cast_type,
             out_dir=out_dir,
             shared=shared,
+            instance_type=cfg.target.instance_type,
         )
         spec = {
             "kind": "bucket",

@@ -3,11 +3,9 @@ table, ``pipeline.backends``)."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from pipeline.errors import RuntimeMismatchError
 from pipeline.install.installed import InstalledRelease
 from pipeline.plan.buckets import Bucket
 
@@ -39,25 +37,24 @@ class AotiRunner:
 
 
 class NeuronRunner:
-    """neuron releases: need torch-neuronx on a host with NeuronCores."""
+    """neuron releases: the serving runtime itself (``pipeline.runtime.neuron``), one bucket
+    loaded at a time. Greedy tokens only: Llama/Qwen exports sample on the device
+    (``on_device_sampling``, optimum/neuron/models/inference/llama/modeling_llama.py:341-363)
+    and their generate() rejects output_logits and output_scores
+    (backend/modules/generation/generation_utils.py:76-97), so no logits come back."""
 
     device = "neuron"
+    logits = False  # parity compares greedy tokens, never logits
+    needs_checkpoint = True  # the release's weights are NxD shards: the reference reads HF's
 
     def __init__(self, installed: InstalledRelease, *, cuda_graphs: bool) -> None:
-        what = installed.what
-        if importlib.util.find_spec("torch_neuronx") is None:
-            raise RuntimeMismatchError(
-                what,
-                "is a neuron release and the Neuron runtime (torch-neuronx) is not installed here",
-                "run parity on an inf2/trn1 host with the AWS Neuron SDK: pip install "
-                "--extra-index-url https://pip.repos.neuron.amazonaws.com torch-neuronx "
-                "optimum-neuron",
-            )
-        raise RuntimeMismatchError(
-            what,
-            "running neuron buckets step by step is not implemented in this inf2-pipeline",
-            "check the release with NxD Inference's own accuracy tools meanwhile",
-        )
+        from pipeline.runtime.neuron import NeuronRunner as Runtime
 
-    def session(self, bucket: str) -> BucketRunner:  # pragma: no cover - see __init__
-        raise NotImplementedError
+        self.runtime = Runtime(installed)
+
+    def session(self, bucket: str) -> BucketRunner:
+        b = Bucket.parse(bucket)
+        for other in self.runtime.loaded:  # parity walks the buckets once: free the last
+            if other != b:
+                self.runtime.unload(other)
+        return self.runtime.session(b)  # type: ignore[return-value]

@@ -143,6 +143,10 @@ def load_config(path: Path | str) -> Release:
         grid = _grid_from_inline(located, config.buckets)
     config = config.model_copy(update=update)
     _check_checkpoint(located, config.model.checkpoint)
+    if config.target.backend == "neuron":
+        from pipeline.plan.checkpoint import check_neuron_exportable
+
+        check_neuron_exportable(config.model.checkpoint)
     return Release(path=path, config=config, grid=grid, source=located.data)
 
 

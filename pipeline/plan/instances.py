@@ -36,5 +36,23 @@ INSTANCES: dict[str, Instance] = {
         Instance("inf2.48xlarge", chips=12),
         Instance("trn1.2xlarge", chips=1),
         Instance("trn1.32xlarge", chips=16),
+        Instance("trn1n.32xlarge", chips=16),
+        # Trainium2: 8 physical NeuronCores and 96 GiB per chip, seen as 4 logical cores
+        # (the default logical-core size 2).
+        Instance("trn2.48xlarge", chips=16, cores_per_chip=4, hbm_per_chip=96 * GIB),
     )
 }
+# The families optimum-neuron's --instance_type takes (SUPPORTED_INSTANCE_TYPES,
+# optimum/neuron/utils/instance.py:24, used by optimum/commands/export/neuronx.py:48-56).
+NEURON_FAMILIES = ("trn1", "inf2", "trn1n", "trn2")
+
+
+def neuron_family(instance_type: str) -> str:
+    """``inf2.8xlarge`` → ``inf2``: the exporter's --instance_type for an instance type."""
+    family = instance_type.split(".", 1)[0]
+    if family not in NEURON_FAMILIES:
+        raise ValueError(
+            f"instance type '{instance_type}' is not a Neuron instance "
+            f"(families: {', '.join(NEURON_FAMILIES)})"
+        )
+    return family

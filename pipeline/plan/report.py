@@ -9,7 +9,7 @@ from pipeline.plan.checkpoint import ModelShape, read_shape
 from pipeline.plan.config import DTYPE_BYTES, Release
 from pipeline.plan.gqa import GqaPlan, plan_gqa
 from pipeline.plan.instances import INSTANCES, Instance
-from pipeline.plan.memory import BucketMemory, bucket_memory
+from pipeline.plan.memory import BucketMemory, Residency, bucket_memory, residency
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class ReleasePlan:
     gqa: GqaPlan
     weight_bytes_per_core: int
     buckets: list[BucketMemory]
+    resident: Residency  # every bucket loaded at once
     tp_options: list[TpOption]  # degrees that fit, least padding first, then larger tp
 
     @property
@@ -57,6 +58,12 @@ class ReleasePlan:
                 for m in self.buckets
             ],
             "all_fit": self.all_fit,
+            "resident": {
+                "weights_per_bucket": self.resident.weights_per_bucket,
+                "total_bytes_per_core": self.resident.total_bytes,
+                "fits": self.resident.fits,
+                "max_loaded_buckets": self.resident.max_loaded,
+            },
             "tp_options": [o.__dict__ for o in self.tp_options],
         }
 
@@ -90,6 +97,9 @@ def plan_release(release: Release) -> ReleasePlan:
     dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     gqa = release_gqa_plan(release, shape)
     weights, rows = bucket_memory(shape, gqa, release.buckets, dtype_bytes, instance.hbm_per_core)
+    # Only cpu/cuda releases share one weights copy among buckets; neuron (and auto, whose
+    # first choice is neuron) loads one per bucket.
+    shared = cfg.target.backend in ("cpu", "cuda")
     return ReleasePlan(
         release=release,
         shape=shape,
@@ -97,6 +107,7 @@ def plan_release(release: Release) -> ReleasePlan:
         gqa=gqa,
         weight_bytes_per_core=weights,
         buckets=rows,
+        resident=residency(weights, rows, instance.hbm_per_core, weights_per_bucket=not shared),
         tp_options=tp_options(shape, release, instance, dtype_bytes),
     )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pipeline.errors import InputError
 from pipeline.install.installed import InstalledRelease, open_installed
@@ -36,12 +37,13 @@ class BucketedModel:
 
     @classmethod
     def load(
-        cls, path: Path | str, backend: str = "auto", *, cuda_graphs: bool = True
+        cls, path: Path | str, backend: str = "auto", *, cuda_graphs: bool = True, **options: Any
     ) -> BucketedModel:
         """``DIR/MODEL`` (following ``current``) or a release directory; checks the manifest,
-        the files (by size), and that this runtime can run the release."""
+        the files (by size), and that this runtime can run the release. ``options`` go to
+        the backend's runner (neuron: ``hbm_budget``, bytes per NeuronCore)."""
         installed = open_installed(path, verify="size")
-        return cls(installed, open_runner(installed, backend, cuda_graphs=cuda_graphs))
+        return cls(installed, open_runner(installed, backend, cuda_graphs=cuda_graphs, **options))
 
     def select(self, batch: int, seq: int) -> Bucket:
         """The bucket with the fewest padded tokens holding ``batch`` rows of ``seq`` tokens."""

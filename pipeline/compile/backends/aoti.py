@@ -79,7 +79,9 @@ class AotiBackend(Backend):
     def versions(self) -> dict[str, str]:
         return {p: metadata.version(p) for p in ("torch", "transformers")}
 
-    def key_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    def key_options(
+        self, flags: tuple[str, ...] | list[str], instance_type: str | None = None
+    ) -> dict[str, Any]:
         return {
             "inductor": self.inductor_options(flags),
             "machine": platform.machine(),
@@ -202,7 +204,9 @@ class CudaBackend(AotiBackend):
     def default_options(self) -> dict[str, Any]:
         return {**BASE_OPTIONS, **CUDA_OPTIONS}
 
-    def key_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    def key_options(
+        self, flags: tuple[str, ...] | list[str], instance_type: str | None = None
+    ) -> dict[str, Any]:
         # Kernels are built and tuned for the GPU that compiles them.
         return {**super().key_options(flags), "gpu": gpu_compute_capability()}
 

@@ -29,6 +29,7 @@ class BucketJob:
     auto_cast_type: str
     out_dir: Path  # empty directory for this bucket's files
     shared: dict[str, Path] = field(default_factory=dict)  # files from prepare(), by name
+    instance_type: str = ""  # the config's target.instance_type (neuron: the compile target)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -53,6 +54,7 @@ class BucketJob:
             auto_cast_type=d["auto_cast_type"],
             out_dir=Path(d["out_dir"]),
             shared={k: Path(v) for k, v in d["shared"].items()},
+            instance_type=d.get("instance_type", ""),
         )
 
 
@@ -78,9 +80,16 @@ class Backend(ABC):
     def versions(self) -> dict[str, str]:
         """Compiler and library versions that change the output (part of the cache key)."""
 
-    def key_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    def key_options(
+        self, flags: tuple[str, ...] | list[str], instance_type: str | None = None
+    ) -> dict[str, Any]:
         """Settings beyond the config's flags that change the output (part of the key)."""
         return {}
+
+    def check_model(self, checkpoint: Path) -> None:
+        """Raise one line (an InputError) if this backend cannot compile the checkpoint's
+        architecture. Default: whatever the planner accepts."""
+        return None
 
     def prepare(self, model_dir: Path, dtype: str, out_dir: Path) -> dict[str, Path]:
         """Make files every bucket shares (once per run, in a worker). Default: none."""
