@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipeline.errors import ManifestError, RuntimeMismatchError
 from pipeline.store.blobs import FileRef
 
-MANIFEST_SCHEMA = 1
+MANIFEST_SCHEMA = 2  # 2: weights_key per bucket
 
 
 class BucketEntry(BaseModel):
@@ -24,8 +24,11 @@ class BucketEntry(BaseModel):
 
     batch: int = Field(gt=0)
     seq: int = Field(gt=0)
-    cache_key: str
-    files: list[FileRef]
+    cache_key: str  # the graph key (pipeline.compile.keys)
+    # The key of the prepared weights among ``files`` (one for every bucket of a release);
+    # None where the graphs' files hold the weights (neuron) or in schema-1 manifests.
+    weights_key: str | None = None
+    files: list[FileRef]  # the graphs' files, then the prepared weights' files
 
 
 class Manifest(BaseModel):
