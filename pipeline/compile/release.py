@@ -92,7 +92,7 @@ def find_entries(
     """
     backend = backend or release.config.target.backend
     candidates = AUTO_ORDER if backend == "auto" else (backend,)
-    best: tuple[str, dict[str, CacheEntry], list[str]] | None = None
+    best: tuple[str, dict[str, CacheEntry], list[str], bool] | None = None
     for name in candidates:
         try:
             found, missing = _entries_for(release, cache, key_fn, name)
@@ -102,19 +102,25 @@ def find_entries(
             if backend != "auto":
                 raise
             continue  # e.g. no neuronx-cc here to name the key: that backend cannot match
-        if wkey and weights is None:
-            missing = [*missing, "the prepared weights"]
-        if not missing:
+        no_weights = bool(wkey) and weights is None
+        if not missing and not no_weights:
             return name, found, weights
         if best is None or len(found) > len(best[1]):
-            best = (name, found, missing)
+            best = (name, found, missing, no_weights)
     if best is None:
         raise MissingBucketsError(
             f"release {release.name}",
             "no backend's cache keys can be computed on this machine",
             "publish with --backend NAME where that backend's toolchain is installed",
         )
-    name, _, missing = best
+    name, _, missing, no_weights = best
+    if not missing:  # every shard prepares (or finds) the weights: any re-run makes them
+        raise MissingBucketsError(
+            f"release {release.name} ({name})",
+            "every bucket's graphs are compiled, but the prepared weights of this checkpoint "
+            "are not in the cache",
+            f"run 'inf2-pipeline compile {release.path}' (it prepares them, compiling nothing)",
+        )
     owners = _shard_owners(release, shard_count)
     named = [f"{m} (shard {owners[m]}/{shard_count})" if owners else m for m in missing]
     shards = sorted({owners[m] for m in missing}) if owners else []
@@ -127,7 +133,7 @@ def find_entries(
     )
     raise MissingBucketsError(
         f"release {release.name} ({name})",
-        f"no compiled artifacts for {len(missing)} of {len(release.buckets)} parts: "
+        f"no compiled artifacts for {len(missing)} of {len(release.buckets)} buckets: "
         f"{', '.join(named[:8])}{' …' if len(named) > 8 else ''}",
         rerun,
     )
@@ -169,9 +175,9 @@ def build_manifest(
     cfg = release.config
     gqa = release_gqa_plan(release)
     metas = [e.meta for e in entries.values()]
-    if weights is not None:
-        metas.append(weights.meta)  # the graphs' entries name no weights: they serve any
-    digest = weights_digest or _agreed(metas, "weights_digest") or "unknown"
+    # With a weights entry, it alone says which weights: the graphs serve any checkpoint.
+    said = _agreed([weights.meta] if weights is not None else metas, "weights_digest")
+    digest = weights_digest or said or "unknown"
     weight_files = list(weights.files) if weights is not None else []
     versions: dict[str, str] = {}
     for meta in metas:
