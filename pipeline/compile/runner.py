@@ -236,8 +236,7 @@ def compile_release(
         r.status, r.files = "cached", list(entry.files)
         hits.append((r, entry))
     sched = _Scheduler(release, name, store, workdir, weights, versions, jobs, timeout_s, emit)
-    if misses or prepared.status == "pending":
-        sched.prepare(prepared, misses)
+    ready = sched.prepare(prepared, misses) if misses or prepared.status == "pending" else True
     for r, entry in hits:
         if download:
             dest = _fresh_dir(workdir / "buckets" / r.bucket.name)
@@ -247,7 +246,7 @@ def compile_release(
             else:
                 sched.link_weights(dest)
         emit("done", r)
-    if misses and prepared.ok:
+    if misses and ready:
         sched.run(misses)
     return CompileReport(
         model=release.name,
@@ -294,14 +293,16 @@ class _Scheduler:
         self.model_dir: Path = release.checkpoint
         self.shared: dict[str, Path] = {}
 
-    def prepare(self, weights: WeightsResult, misses: list[BucketResult]) -> None:
+    def prepare(self, weights: WeightsResult, misses: list[BucketResult]) -> bool:
         """Prepare the weights (needed when they are missing from the store, and by compiled
-        buckets' workdir copies); store them under the weights key if they were missing."""
+        buckets' workdir copies); store them under the weights key if they were missing.
+        False when that failed: then so has every miss (reported here)."""
         start = time.monotonic()
         try:
             self.model_dir, self.shared = self._prepare(weights.key)
             if weights.status == "pending":
                 self._publish_weights(weights, time.monotonic() - start)
+            return True
         except Exception as e:  # _PrepareFailed, or a store failure
             why = str(e) if isinstance(e, _PrepareFailed) else f"{type(e).__name__}: {e}"
             if weights.status == "pending":
@@ -309,6 +310,7 @@ class _Scheduler:
             for r in misses:
                 r.status, r.error = "failed", why
                 self.emit("done", r)
+            return False
 
     def link_weights(self, bucket_dir: Path) -> None:
         """Make a workdir bucket runnable: the prepared weights beside its graphs."""
