@@ -17,6 +17,7 @@ so behaviours do not change cache keys:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -56,7 +57,11 @@ class FakeBackend(Backend):
         if os.environ.get("FAKE_PREPARE") == "fail":
             raise RuntimeError("fake prepare error")
         path = out_dir / "weights.bin"
-        path.write_text(f"weights of {model_dir.name} in {dtype}\n")
+        # The checkpoint's bytes go in, so other weights make another file (as in real life).
+        digest = hashlib.sha256(
+            b"".join(f.read_bytes() for f in sorted(model_dir.glob("*.safetensors")))
+        )
+        path.write_text(f"weights {digest.hexdigest()[:16]} of {model_dir.name} in {dtype}\n")
         return {"weights.bin": path}
 
     def compile(self, job: BucketJob) -> BucketOutput:
@@ -87,11 +92,10 @@ class FakeBackend(Backend):
             time.sleep(float(behaviour.split(":", 1)[1]))
         graph = job.out_dir / "graph.bin"
         graph.write_text(f"{name} {job.dtype} tp{job.tp} {' '.join(job.flags)}\n")
-        weights = job.out_dir / "weights.bin"
-        os.link(job.shared["weights.bin"], weights)
         if trace:
             Path(trace, f"{name}.json").write_text(json.dumps({**record, "end": time.time()}))
-        return BucketOutput(files={"graph.bin": graph, "weights.bin": weights}, meta={"fake": 1})
+        # Like the cpu/cuda packages: no weights (prepare's weights.bin is cached apart).
+        return BucketOutput(files={"graph.bin": graph}, meta={"fake": 1})
 
 
 def install() -> None:

@@ -110,6 +110,25 @@ def fake_compile(
     return entries
 
 
+def fake_prepare(release: Release, store: Store, workdir: Path, backend: str = "cpu") -> CacheEntry:
+    """What compile leaves for the release's prepared weights, under compile's weights key."""
+    from pipeline.compile.keys import weights_key
+
+    local = workdir / "prepared" / "weights.safetensors"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_bytes(hashlib.sha256(release.name.encode()).digest() * 64)
+    entry = CacheEntry(
+        key=weights_key(release, backend),
+        kind="weights",
+        bucket="*",
+        backend=backend,
+        files=[put_blob(store, local, "weights.safetensors")[0]],
+        meta={"model": release.name, "weights_digest": "cd" * 32},
+    )
+    write_cache_entry(store, entry)
+    return entry
+
+
 def race(n: int, fn: Callable[[int], object]) -> tuple[dict[int, object], dict[int, Exception]]:
     """Run ``fn(0..n-1)`` in n threads released together by a barrier: (results, errors)."""
     import threading

@@ -93,11 +93,15 @@ def test_compiled_release_shares_one_weights_blob_and_describes_its_graphs(compi
     config, store_dir = compiled_store
     store = open_store(str(store_dir))
     entries = [read_cache_entry(store, Path(k).stem) for k in store.list("cache/")]
-    assert sorted(e.bucket for e in entries) == ["b1_s32", "b1_s64", "b2_s32", "b2_s64"]
-    weights = {f.sha256 for e in entries for f in e.files if f.path == "weights.safetensors"}
-    assert len(weights) == 1
+    graphs = [e for e in entries if e.kind == "graphs"]
+    assert sorted(e.bucket for e in graphs) == ["b1_s32", "b1_s64", "b2_s32", "b2_s64"]
+    assert not any(f.path == "weights.safetensors" for e in graphs for f in e.files)
+    (weights,) = [e for e in entries if e.kind == "weights"]  # one set, every bucket binds it
+    assert [f.path for f in weights.files] == ["weights.safetensors"]
     spec = GraphSpec.read(config.parent / "work" / "buckets" / "b2_s64")
     assert (spec.batch, spec.seq, spec.layers, spec.dtype) == (2, 64, 2, "float32")
+    # what the weights must look like, for the check at load time
+    assert spec.constants["model.embed_tokens.weight"] == {"dtype": "float32", "shape": [512, 64]}
     assert json.loads((config.parent / "work" / "buckets" / "b2_s64" / GRAPH_FILE).read_text())
 
 

@@ -31,6 +31,7 @@ from tests.store_helpers import (
     bucket_files,
     fake_compile,
     fake_key,
+    fake_prepare,
     race,
     write_release_config,
 )
@@ -45,6 +46,8 @@ def use_fake_keys(monkeypatch):
     import pipeline.compile.release as publish_mod
 
     monkeypatch.setattr(publish_mod, "default_key_fn", lambda: fake_key)
+    # fake_compile's entries hold each bucket's weights, as neuron's do
+    monkeypatch.setattr(publish_mod, "default_weights_key_fn", lambda: publish_mod.no_weights_entry)
 
 
 def _compiled(tmp_path: Path, cache_url: str, **kw):
@@ -321,12 +324,18 @@ def test_publish_cli_finds_entries_under_the_compile_stages_keys(tmp_path, tiny_
     text = cfg.read_text().replace(str(tmp_path / "ckpt"), str(tiny_checkpoint))
     cfg.write_text(text)
     release = load_config(cfg)
-    entries = fake_compile(
-        release, open_store(str(tmp_path / "store")), tmp_path, key_fn=bucket_cache_key
-    )
+    store = open_store(str(tmp_path / "store"))
+    entries = fake_compile(release, store, tmp_path, key_fn=bucket_cache_key)
+    r = runner.invoke(app, ["publish", str(cfg), "--version", "v1", "--json"])
+    assert r.exit_code == 2  # graphs alone are not a release: the weights are cached apart
+    assert "the prepared weights of this checkpoint are not in the cache" in r.stderr
+    weights = fake_prepare(release, store, tmp_path)
     r = runner.invoke(app, ["publish", str(cfg), "--version", "v1", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["created"] is True
-    m = read_release(open_store(str(tmp_path / "store")), "tiny", "v1")
+    m = read_release(store, "tiny", "v1")
     assert {n: b.cache_key for n, b in m.buckets.items()} == {n: e.key for n, e in entries.items()}
+    assert {b.weights_key for b in m.buckets.values()} == {weights.key}
+    for name, b in m.buckets.items():  # each bucket: its graphs, then the shared weights
+        assert b.files == [*entries[name].files, *weights.files]
     assert {f.path for f in m.files} >= {"config.json"}

@@ -93,8 +93,15 @@ def release(
         state = "published" if result.created else "already published"
         typer.echo(
             f"{state} {result.model} {result.version} to {result.store} "
-            f"({result.uploaded_files} files, {result.uploaded_bytes} bytes uploaded)"
+            f"({report.compiled} of {len(report.results)} buckets compiled, weights "
+            f"{_weights_word(report)}; {result.uploaded_files} files, "
+            f"{result.uploaded_bytes} bytes uploaded)"
         )
+
+
+def _weights_word(report) -> str:
+    w = report.weights
+    return "in the graphs" if w is None else {"cached": "hit"}.get(w.status, w.status)
 
 
 def _compile(release, backend, jobs, shard, workdir, store, download, json):
@@ -151,7 +158,10 @@ def _raise_if_failed(report) -> None:
     failed = report.failed
     if not failed:
         return
-    names = ", ".join(f"{r.bucket.name} ({r.status})" for r in failed)
+    names = ", ".join(
+        f"{r.bucket.name} ({r.status if r.status != 'cached' else 'weights ' + r.weights_status})"
+        for r in failed
+    )
     raise CompileError(
         f"compile {report.model}",
         f"{len(failed)} of {len(report.results)} buckets failed: {names}",

@@ -15,12 +15,24 @@ from pipeline.compile.runner import BucketResult, CompileReport
 
 
 def describe(r: BucketResult) -> str:
-    line = f"{r.bucket.name} {r.status}"
+    line = f"{r.bucket.name} graph {r.graph}"
     if r.status != "cached":
         line += f" in {r.seconds:.1f}s"
-    if r.error:
-        line += f": {r.error}"
+    line += f", weights {r.weights_status}"
+    error = r.error or (r.weights.error if r.weights else None)
+    if error:
+        line += f": {error}"
     return line
+
+
+def weights_line(report: CompileReport) -> str:
+    """What happened to the prepared weights, in one line."""
+    w = report.weights
+    if w is None:
+        return "weights: inside the compiled graphs (this backend compiles them in)"
+    words = {"cached": "hit", "prepared": f"prepared in {w.seconds:.1f}s"}
+    line = f"weights: {words.get(w.status, w.status)} ({w.key[:12]})"
+    return line + (f": {w.error}" if w.error else "")
 
 
 class PlainProgress:
@@ -35,14 +47,14 @@ class PlainProgress:
 
     def __exit__(self, *exc: Any) -> None:
         if self.hits:
-            self._print(f"[compile] {self.hits} of {self.total} buckets were cache hits")
+            self._print(f"[compile] {self.hits} of {self.total} buckets were graph cache hits")
 
     def __call__(self, event: str, r: BucketResult) -> None:
         if event == "start":
             self._print(f"[compile] {r.bucket.name} compiling (log: {r.log})")
             return
         self.done += 1
-        if r.cache_hit:
+        if r.cache_hit and r.ok:
             self.hits += 1
         else:
             self._print(f"[{self.done}/{self.total}] {describe(r)}")
@@ -92,13 +104,15 @@ def make_progress(total: int) -> PlainProgress | BarProgress:
 
 def summary_table(report: CompileReport) -> Table:
     table = Table(
-        title=f"{report.model}: {report.backend}, shard {report.shard[0]}/{report.shard[1]}",
+        title=f"{report.model}: {report.backend}, shard {report.shard[0]}/{report.shard[1]}; "
+        f"{report.compiled} of {len(report.results)} compiled",
         title_justify="left",
+        caption=weights_line(report),
+        caption_justify="left",
     )
-    for col in ("bucket", "status", "seconds", "cache hit"):
+    for col in ("bucket", "graph", "weights", "seconds"):
         table.add_column(col, justify="right" if col == "seconds" else "left")
     for r in report.results:
         style = None if r.ok else "red"
-        hit = "yes" if r.cache_hit else "no"
-        table.add_row(r.bucket.name, r.status, f"{r.seconds:.1f}", hit, style=style)
+        table.add_row(r.bucket.name, r.graph, r.weights_status, f"{r.seconds:.1f}", style=style)
     return table

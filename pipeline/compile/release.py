@@ -1,8 +1,11 @@
-"""Assembling a release: a config and its buckets' compile cache entries → a manifest.
+"""Assembling a release: a config, its buckets' graph entries and its prepared-weights entry
+→ a manifest.
 
-Finds each bucket's cache entry by recomputing its key (``pipeline.compile.keys``), so it
-runs where compile ran (same image, same checkpoint), then hands the manifest and its blob
-sources to the store's publish protocol (``pipeline.store.publish``).
+Finds each bucket's graph entry and the release's weights entry by recomputing their keys
+(``pipeline.compile.keys``), so it runs where compile ran (same image, same checkpoint),
+then hands the manifest and its blob sources to the store's publish protocol
+(``pipeline.store.publish``). Each bucket of the manifest names its graphs' files and the
+weights' files, and records both keys (docs/finetune.md).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from pipeline.store.publish import (
     publish,
 )
 
-# (release, bucket, backend) -> cache key; the compile stage owns the real one.
+# (release, bucket, backend) -> graph key; the compile stage owns the real one.
 KeyFn = Callable[..., str]
+# (release, backend) -> weights key, or None where the backend's graphs hold the weights.
+WeightsKeyFn = Callable[..., str | None]
 # Checkpoint files a loader may want beside the compiled graphs (never the weights).
 RELEASE_FILES = (
     "config.json",
@@ -53,14 +58,33 @@ def default_key_fn() -> KeyFn:
     return bucket_cache_key
 
 
+def default_weights_key_fn() -> WeightsKeyFn:
+    from pipeline.compile.backends import get_backend
+    from pipeline.compile.keys import weights_key
+
+    def key(release: Release, backend: str) -> str | None:
+        if get_backend(backend).graphs_depend_on_weights:
+            return None
+        return weights_key(release, backend)
+
+    return key
+
+
+def no_weights_entry(release: Release, backend: str) -> None:
+    """For key functions whose graph entries hold the weights too."""
+    return None
+
+
 def find_entries(
     release: Release,
     cache: Store,
     key_fn: KeyFn,
     backend: str | None = None,
     shard_count: int | None = None,
-) -> tuple[str, dict[str, CacheEntry]]:
-    """(backend, bucket name -> cache entry) for every bucket of the release.
+    weights_key_fn: WeightsKeyFn = no_weights_entry,
+) -> tuple[str, dict[str, CacheEntry], CacheEntry | None]:
+    """(backend, bucket name -> graph entry, the weights entry or None) for every bucket of
+    the release (None: that backend's graph entries hold the weights).
 
     ``backend`` None means the config's; for "auto", the first of neuron, cuda, cpu that has
     an entry for every bucket (publishing may run on another machine than compiling).
@@ -68,25 +92,35 @@ def find_entries(
     """
     backend = backend or release.config.target.backend
     candidates = AUTO_ORDER if backend == "auto" else (backend,)
-    best: tuple[str, dict[str, CacheEntry], list[str]] | None = None
+    best: tuple[str, dict[str, CacheEntry], list[str], bool] | None = None
     for name in candidates:
         try:
             found, missing = _entries_for(release, cache, key_fn, name)
+            wkey = weights_key_fn(release, name)
+            weights = read_cache_entry(cache, wkey) if wkey else None
         except PipelineError:
             if backend != "auto":
                 raise
             continue  # e.g. no neuronx-cc here to name the key: that backend cannot match
-        if not missing:
-            return name, found
+        no_weights = bool(wkey) and weights is None
+        if not missing and not no_weights:
+            return name, found, weights
         if best is None or len(found) > len(best[1]):
-            best = (name, found, missing)
+            best = (name, found, missing, no_weights)
     if best is None:
         raise MissingBucketsError(
             f"release {release.name}",
             "no backend's cache keys can be computed on this machine",
             "publish with --backend NAME where that backend's toolchain is installed",
         )
-    name, _, missing = best
+    name, _, missing, no_weights = best
+    if not missing:  # every shard prepares (or finds) the weights: any re-run makes them
+        raise MissingBucketsError(
+            f"release {release.name} ({name})",
+            "every bucket's graphs are compiled, but the prepared weights of this checkpoint "
+            "are not in the cache",
+            f"run 'inf2-pipeline compile {release.path}' (it prepares them, compiling nothing)",
+        )
     owners = _shard_owners(release, shard_count)
     named = [f"{m} (shard {owners[m]}/{shard_count})" if owners else m for m in missing]
     shards = sorted({owners[m] for m in missing}) if owners else []
@@ -132,14 +166,19 @@ def build_manifest(
     release_files: list[FileRef],
     *,
     weights_digest: str | None = None,
+    weights: CacheEntry | None = None,
 ) -> Manifest:
-    """The manifest of a release (version and creation time filled in by ``publish``)."""
+    """The manifest of a release (version and creation time filled in by ``publish``).
+    ``weights``: the prepared-weights entry every bucket binds (None: in the graph entries)."""
     from pipeline.plan.report import release_gqa_plan
 
     cfg = release.config
     gqa = release_gqa_plan(release)
     metas = [e.meta for e in entries.values()]
-    digest = weights_digest or _agreed(metas, "weights_digest") or "unknown"
+    # With a weights entry, it alone says which weights: the graphs serve any checkpoint.
+    said = _agreed([weights.meta] if weights is not None else metas, "weights_digest")
+    digest = weights_digest or said or "unknown"
+    weight_files = list(weights.files) if weights is not None else []
     versions: dict[str, str] = {}
     for meta in metas:
         for k, v in (meta.get("versions") or {}).items():
@@ -174,7 +213,11 @@ def build_manifest(
         files=release_files,
         buckets={
             name: BucketEntry(
-                batch=b.batch, seq=b.seq, cache_key=entries[name].key, files=entries[name].files
+                batch=b.batch,
+                seq=b.seq,
+                cache_key=entries[name].key,
+                weights_key=weights.key if weights is not None else None,
+                files=[*entries[name].files, *weight_files],
             )
             for b in release.buckets
             if (name := b.name) in entries
@@ -208,13 +251,17 @@ def publish_release(
     jobs: int = DEFAULT_JOBS,
     progress: ProgressFn | None = None,
     shard_count: int | None = None,
+    weights_key_fn: WeightsKeyFn | None = None,
 ) -> PublishResult:
     """Publish what compile produced for ``release`` into ``store`` (default: the config's
-    store, which is also where the compile cache lives)."""
+    store, which is also where the compile cache lives). ``key_fn`` without
+    ``weights_key_fn``: its graph entries hold the weights too."""
     cache = open_store(release.store_url)
     dest = store or cache
-    backend, entries = find_entries(
-        release, cache, key_fn or default_key_fn(), backend, shard_count
+    if weights_key_fn is None:
+        weights_key_fn = default_weights_key_fn() if key_fn is None else no_weights_entry
+    backend, entries, weights = find_entries(
+        release, cache, key_fn or default_key_fn(), backend, shard_count, weights_key_fn
     )
     sources: dict[str, BlobSource] = {}
     top = []
@@ -222,8 +269,8 @@ def publish_release(
         ref = file_ref(path, rel)
         top.append(ref)
         sources[ref.sha256] = path
-    for entry in entries.values():
+    for entry in [*entries.values(), *([weights] if weights else [])]:
         for ref in entry.files:
             sources.setdefault(ref.sha256, cache)
-    manifest = build_manifest(release, backend, entries, top)
+    manifest = build_manifest(release, backend, entries, top, weights=weights)
     return publish(dest, manifest, sources, version=version, jobs=jobs, progress=progress)

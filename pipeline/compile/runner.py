@@ -1,11 +1,15 @@
-"""The compile stage: cache lookups, then one child process per missing bucket.
+"""The compile stage: cache lookups, then prepared weights, then one child process per
+missing bucket.
 
-For each bucket of this shard (most expensive first): compute its cache key; an entry in
-the store is a hit (downloaded only with ``download=True``). Misses compile in worker
-processes, ``jobs`` at a time, each with its own log file and the config's timeout. A
-finished bucket's files go to the store as content-addressed blobs, and only then its cache
-entry, so an entry that exists is complete: a crash or Ctrl-C leaves at most unreferenced
-blobs. One bucket's failure never stops the others.
+Two kinds of cache entry (docs/finetune.md): each bucket's graphs, under its graph key, and
+the release's prepared weights, under the weights key. For each bucket of this shard (most
+expensive first) the graph key is looked up, and the weights key once; entries found are
+hits (downloaded only with ``download=True``). Missing weights are prepared once in a
+worker process; missing graphs compile in worker processes, ``jobs`` at a time, each with
+its own log file and the config's timeout. Files go to the store as content-addressed blobs,
+and only then their cache entry, so an entry that exists is complete: a crash or Ctrl-C
+leaves at most unreferenced blobs. One bucket's failure never stops the others. A new
+checkpoint of an architecture already compiled only prepares its weights.
 """
 
 from __future__ import annotations
@@ -29,11 +33,11 @@ from pipeline.compile import shards
 from pipeline.compile.backends import backend_path, get_backend, resolve_backend
 from pipeline.compile.backends.base import BucketJob
 from pipeline.compile.keys import (
-    FORMAT_VERSION,
     digest,
     key_material,
     model_config_digest,
     weights_digest,
+    weights_key_material,
 )
 from pipeline.errors import InputError
 from pipeline.plan.buckets import Bucket
@@ -53,35 +57,84 @@ KILL_GRACE_S = 3.0
 Event = Callable[[str, "BucketResult"], None]  # ("start" | "done", result)
 
 
+# What became of a bucket's graphs and of the release's prepared weights, as reported.
+GRAPH_WORDS = {"cached": "hit"}  # others as they are: compiled | failed | timeout | ...
+WEIGHTS_WORDS = {"cached": "hit"}  # prepared | in-graphs | failed | pending
+
+
+@dataclass
+class WeightsResult:
+    """The release's prepared weights: one set, bound by every bucket."""
+
+    key: str
+    # cached | prepared | failed | pending | in-graphs (the backend's graphs hold them)
+    status: str = "pending"
+    seconds: float = 0.0
+    error: str | None = None
+    files: list[FileRef] = field(default_factory=list)
+    material: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("cached", "prepared", "in-graphs")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "status": WEIGHTS_WORDS.get(self.status, self.status),
+            "key": self.key,
+            "seconds": round(self.seconds, 3),
+            "error": self.error,
+            "files": [f.model_dump() for f in self.files],
+        }
+
+
 @dataclass
 class BucketResult:
     bucket: Bucket
-    key: str
-    status: str = "pending"  # cached | compiled | failed | timeout | interrupted
+    key: str  # the graph key
+    status: str = "pending"  # the graphs: cached | compiled | failed | timeout | interrupted
     seconds: float = 0.0
     log: Path | None = None
     error: str | None = None
-    files: list[FileRef] = field(default_factory=list)
+    files: list[FileRef] = field(default_factory=list)  # the graphs' files
     material: dict[str, Any] = field(default_factory=dict, repr=False)  # what the key hashes
+    weights: WeightsResult | None = None  # shared by every bucket of the run
 
     @property
     def cache_hit(self) -> bool:
         return self.status == "cached"
 
     @property
+    def graph(self) -> str:
+        """hit | compiled | failed | timeout | interrupted | pending"""
+        return GRAPH_WORDS.get(self.status, self.status)
+
+    @property
+    def weights_status(self) -> str:
+        """hit | prepared | in-graphs | failed | pending"""
+        w = self.weights
+        return WEIGHTS_WORDS.get(w.status, w.status) if w else "in-graphs"
+
+    @property
     def ok(self) -> bool:
-        return self.status in ("cached", "compiled")
+        return self.status in ("cached", "compiled") and (self.weights is None or self.weights.ok)
 
     def to_dict(self) -> dict[str, Any]:
+        w = self.weights
         return {
             "bucket": self.bucket.name,
             "status": self.status,
+            "graph": self.graph,
+            "weights": self.weights_status,
             "seconds": round(self.seconds, 3),
             "cache_hit": self.cache_hit,
             "key": self.key,
+            "graph_key": self.key,
+            "weights_key": w.key if w else None,
             "log": str(self.log) if self.log else None,
-            "error": self.error,
+            "error": self.error or (w.error if w else None),
             "files": [f.model_dump() for f in self.files],
+            "weights_files": [f.model_dump() for f in w.files] if w else [],
         }
 
 
@@ -95,10 +148,15 @@ class CompileReport:
     weights_digest: str
     results: list[BucketResult]
     seconds: float = 0.0
+    weights: WeightsResult | None = None  # None: the backend's graphs hold the weights
 
     @property
     def failed(self) -> list[BucketResult]:
         return [r for r in self.results if not r.ok]
+
+    @property
+    def compiled(self) -> int:
+        return sum(r.status == "compiled" for r in self.results)
 
     def to_dict(self) -> dict[str, Any]:
         counts: dict[str, int] = {}
@@ -113,6 +171,8 @@ class CompileReport:
             "weights_digest": self.weights_digest,
             "seconds": round(self.seconds, 3),
             "counts": counts,
+            "compiled": self.compiled,
+            "weights": self.weights.to_dict() if self.weights else {"status": "in-graphs"},
             "failed": [r.bucket.name for r in self.failed],
             "buckets": [r.to_dict() for r in self.results],
         }
@@ -147,28 +207,48 @@ def compile_release(
     workdir.mkdir(parents=True, exist_ok=True)
     weights = weights_digest(release.checkpoint, stat_cache=workdir / "weight-digests.json")
     versions = be.versions()
+    wmaterial = weights_key_material(release, name, weights=weights, versions=versions)
+    prepared = WeightsResult(digest(wmaterial), material=wmaterial)
+    # A backend whose graphs hold the weights has no weights entry of its own.
+    separate = not be.graphs_depend_on_weights
     results = []
     for b in shards.shard(release.buckets, *shard):
         material = key_material(release, b, name, weights=weights, versions=versions)
-        results.append(BucketResult(b, digest(material), material=material))
+        r = BucketResult(b, digest(material), material=material)
+        r.weights = prepared if separate else None
+        results.append(r)
     emit = on_event or (lambda *_: None)
-    misses = []
-    # One GET per bucket: concurrent, so a no-op run against S3 stays fast.
+    # One GET per entry: concurrent, so a no-op run against S3 stays fast.
+    keys = [r.key for r in results] + ([prepared.key] if separate else [])
     with ThreadPoolExecutor(LOOKUP_THREADS) as pool:
-        found = list(pool.map(lambda r: read_cache_entry(store, r.key), results))
-    for r, entry in zip(results, found, strict=True):
+        found = dict(zip(keys, pool.map(lambda k: read_cache_entry(store, k), keys), strict=True))
+    weights_entry = found.get(prepared.key) if separate else None
+    if not separate:
+        prepared.status = "in-graphs"
+    elif weights_entry is not None:
+        prepared.status, prepared.files = "cached", list(weights_entry.files)
+    misses, hits = [], []
+    for r in results:
+        entry = found[r.key]
         if entry is None:
             r.log = workdir / "logs" / f"{r.bucket.name}.log"
             misses.append(r)
             continue
         r.status, r.files = "cached", list(entry.files)
+        hits.append((r, entry))
+    sched = _Scheduler(release, name, store, workdir, weights, versions, jobs, timeout_s, emit)
+    ready = sched.prepare(prepared, misses) if misses or prepared.status == "pending" else True
+    for r, entry in hits:
         if download:
-            fetch_cache_entry(store, entry, _fresh_dir(workdir / "buckets" / r.bucket.name))
+            dest = _fresh_dir(workdir / "buckets" / r.bucket.name)
+            fetch_cache_entry(store, entry, dest)
+            if weights_entry is not None:
+                fetch_cache_entry(store, weights_entry, dest)
+            else:
+                sched.link_weights(dest)
         emit("done", r)
-    if misses:
-        _Scheduler(release, name, store, workdir, weights, versions, jobs, timeout_s, emit).run(
-            misses
-        )
+    if misses and ready:
+        sched.run(misses)
     return CompileReport(
         model=release.name,
         backend=name,
@@ -178,6 +258,7 @@ def compile_release(
         weights_digest=weights,
         results=results,
         seconds=time.monotonic() - start,
+        weights=prepared if separate else None,
     )
 
 
@@ -210,22 +291,62 @@ class _Scheduler:
         self.jobs, self.emit = jobs, emit
         self.timeout = float(timeout_s or release.config.compiler.timeout_s)
         self.uploaded: dict[tuple[int, int], FileRef] = {}  # shared files: hashed, sent once
+        self.model_dir: Path = release.checkpoint
+        self.shared: dict[str, Path] = {}
+
+    def prepare(self, weights: WeightsResult, misses: list[BucketResult]) -> bool:
+        """Prepare the weights (needed when they are missing from the store, and by compiled
+        buckets' workdir copies); store them under the weights key if they were missing.
+        False when that failed: then so has every miss (reported here)."""
+        start = time.monotonic()
+        try:
+            self.model_dir, self.shared = self._prepare(weights.key)
+            if weights.status == "pending":
+                self._publish_weights(weights, time.monotonic() - start)
+            return True
+        except Exception as e:  # _PrepareFailed, or a store failure
+            why = str(e) if isinstance(e, _PrepareFailed) else f"{type(e).__name__}: {e}"
+            if weights.status == "pending":
+                weights.status, weights.error = "failed", why
+            for r in misses:
+                r.status, r.error = "failed", why
+                self.emit("done", r)
+            return False
+
+    def link_weights(self, bucket_dir: Path) -> None:
+        """Make a workdir bucket runnable: the prepared weights beside its graphs."""
+        for rel, path in self.shared.items():
+            _link(path, bucket_dir / rel)
+
+    def _publish_weights(self, weights: WeightsResult, seconds: float) -> None:
+        """Blobs first, then the entry (as for graphs)."""
+        refs = [self._put(path, rel) for rel, path in sorted(self.shared.items())]
+        log = self.workdir / "logs" / "prepare.log"
+        meta: dict[str, Any] = {
+            "model": self.release.name,
+            "weights_digest": self.weights,
+            "versions": self.versions,
+            "key_material": weights.material,
+            "seconds": round(seconds, 3),
+        }
+        if log.is_file():
+            meta["log"] = self._put(log, LOG_FILE).model_dump()
+        entry = CacheEntry(
+            key=weights.key, kind="weights", bucket="*", backend=self.backend, files=refs, meta=meta
+        )
+        _write_entry(self.store, entry)
+        weights.status, weights.files, weights.seconds = "prepared", refs, seconds
 
     def run(self, misses: list[BucketResult]) -> None:
         running: list[_Running] = []
         try:
-            model_dir, shared = self._prepare()
             queue = list(misses)
             while queue or running:
                 while queue and len(running) < self.jobs:
-                    running.append(self._start(queue.pop(0), model_dir, shared))
+                    running.append(self._start(queue.pop(0), self.model_dir, self.shared))
                 time.sleep(POLL_S)
                 for job in [j for j in running if self._finished(j)]:
                     running.remove(job)
-        except _PrepareFailed as e:
-            for r in misses:
-                r.status, r.error = "failed", str(e)
-                self.emit("done", r)
         except BaseException:
             # Ctrl-C, SIGTERM (or any crash here): stop every child compiler at once, write
             # no entry. Were this process killed outright, the workers end themselves
@@ -238,9 +359,10 @@ class _Scheduler:
 
     # -- once per run ----------------------------------------------------------------------
 
-    def _prepare(self) -> tuple[Path, dict[str, Path]]:
-        """The checkpoint to compile (GQA-padded when asked) and the backend's shared files,
-        kept in the workdir under names derived from their inputs, so reruns reuse them."""
+    def _prepare(self, weights_key: str) -> tuple[Path, dict[str, Path]]:
+        """The checkpoint to compile (GQA-padded when asked) and the prepared weights, kept in
+        the workdir under names derived from their inputs (the weights key), so reruns reuse
+        them."""
         be = get_backend(self.backend)
         cfg = self.release.config
         plan = release_gqa_plan(self.release)
@@ -254,14 +376,7 @@ class _Scheduler:
             model_dir = self.workdir / "padded" / digest(inputs)[:16]
             if not model_dir.is_dir():
                 _pad(self.release.checkpoint, model_dir, plan.tp, cfg.target.gqa_strategy)
-        # format: what prepare writes changes with it (e.g. fused weight names in format 2)
-        inputs.update(
-            dtype=cfg.model.dtype,
-            backend=self.backend,
-            versions=self.versions,
-            format=FORMAT_VERSION,
-        )
-        shared_dir = self.workdir / "shared" / digest(inputs)[:16]
+        shared_dir = self.workdir / "shared" / weights_key[:16]
         done = shared_dir / "prepared.json"
         if done.is_file():
             return model_dir, {k: Path(v) for k, v in json.loads(done.read_text()).items()}
@@ -359,6 +474,7 @@ class _Scheduler:
         result = json.loads(job.result_file.read_text())
         final = self.workdir / "buckets" / r.bucket.name
         _replace_dir(job.out_dir, final)
+        self.link_weights(final)
         files = {
             rel: final / Path(p).relative_to(job.out_dir) for rel, p in result["files"].items()
         }
@@ -370,12 +486,13 @@ class _Scheduler:
         meta = {
             "model": self.release.name,
             "log": log.model_dump(),
-            "weights_digest": self.weights,
             "versions": self.versions,
             "key_material": r.material,
             "seconds": round(r.seconds, 3),
             "backend_meta": result.get("meta", {}),
         }
+        if get_backend(self.backend).graphs_depend_on_weights:
+            meta["weights_digest"] = self.weights  # else the graphs serve any checkpoint
         entry = CacheEntry(
             key=r.key, bucket=r.bucket.name, backend=self.backend, files=refs, meta=meta
         )
@@ -479,6 +596,15 @@ def _fresh_dir(path: Path) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
+
+
+def _link(src: Path, dest: Path) -> None:
+    """Hard-link (shared weights cost no space per bucket); copy across filesystems."""
+    dest.unlink(missing_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
 
 
 def _replace_dir(src: Path, dest: Path) -> None:

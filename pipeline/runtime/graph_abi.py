@@ -77,6 +77,11 @@ class GraphSpec:
     outputs: tuple[str, ...] = OUTPUTS
     # cuda: the GPU architecture the kernels were built and tuned for ("sm_90"); "" on cpu
     cuda_arch: str = ""
+    # constant name -> {"dtype", "shape"} the graphs were built for. Weights are cached and
+    # published apart from the graphs (docs/finetune.md), so a loader checks them against
+    # this before binding (user-managed constants are used in place, unchecked). Empty in
+    # graph.json files written before it existed.
+    constants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def cache_shape(self) -> tuple[int, int, int, int, int]:
@@ -154,9 +159,30 @@ def load_graph(
             "the release mixes graphs and weights of different builds; compile and publish it "
             "again",
         )
+    check_weights(path, spec, {n: weights[w] for n, w in names.items()})
     constants = {n: weights[w] for n, w in names.items()}
     model.load_constants(constants, check_full_update=True, user_managed=True)
     return model
+
+
+def check_weights(path: Path, spec: GraphSpec, constants: dict[str, Any]) -> None:
+    """Refuse, in one line, weights whose shape or dtype is not what the graphs were built
+    for: graphs of one architecture must never run on weights of another."""
+    for name, want in sorted(spec.constants.items()):
+        t = constants.get(name)
+        if t is None:
+            continue  # names are checked by the caller
+        got_dtype = str(t.dtype).removeprefix("torch.")
+        if list(t.shape) != list(want["shape"]) or got_dtype != want["dtype"]:
+            from pipeline.errors import IntegrityError
+
+            raise IntegrityError(
+                str(path),
+                f"weight {name} is {got_dtype}{list(t.shape)}, the graphs were built for "
+                f"{want['dtype']}{list(want['shape'])}",
+                "the release pairs graphs and weights of different architectures; compile "
+                "and publish it again",
+            )
 
 
 def _quiet_isa_notice() -> None:

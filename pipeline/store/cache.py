@@ -1,4 +1,7 @@
-"""Compile cache entries, ``cache/<key>.json``: what one bucket compiled to.
+"""Compile cache entries, ``cache/<key>.json``: what one bucket's graphs compiled to
+(``kind`` "graphs", under its graph key), or a release's prepared weights (``kind``
+"weights", under its weights key; ``bucket`` is "*": every bucket binds them). Both kinds
+share one content-addressed key space: the key material names its kind, so keys never meet.
 
 An entry is written only after every blob it names is in the store, so an entry that
 exists is always complete (a crash leaves at most unreferenced blobs, collected by gc).
@@ -9,7 +12,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -18,7 +21,7 @@ from pipeline.store.base import Store
 from pipeline.store.blobs import FileRef, get_blob
 from pipeline.store.layout import cache_key
 
-CACHE_SCHEMA = 1
+CACHE_SCHEMA = 2  # 2: kind (graphs | weights)
 
 
 class CacheEntry(BaseModel):
@@ -26,7 +29,8 @@ class CacheEntry(BaseModel):
 
     schema_version: int = CACHE_SCHEMA
     key: str = Field(pattern=r"^[0-9a-f]{64}$")
-    bucket: str  # Bucket.name, e.g. b1_s128
+    kind: Literal["graphs", "weights"] = "graphs"
+    bucket: str  # Bucket.name, e.g. b1_s128; "*" for weights
     backend: str
     files: list[FileRef]
     # What went into the key (for humans and `diff`) plus compile facts: seconds, versions.

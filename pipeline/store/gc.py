@@ -31,7 +31,7 @@ from pipeline.store.base import ObjectInfo, Store
 from pipeline.store.cache import CacheEntry, read_cache_entry
 from pipeline.store.channels import list_channels
 from pipeline.store.layout import BLOBS_PREFIX, CACHE_PREFIX, release_key
-from pipeline.store.manifest import Manifest
+from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.releases import READ_CONCURRENCY, list_models, list_releases
 
 DEFAULT_GRACE_S = 24 * 3600
@@ -81,9 +81,9 @@ def gc(
         doomed = [m for m in doomed if m not in kept]
 
     remaining = _remaining_releases(store, model, kept, doomed, dry_run)
-    used_keys = {b.cache_key for m in remaining for b in m.buckets.values()}
+    used_keys = {k for m in remaining for b in m.buckets.values() for k in _keys(b)}
     used_blobs = {ref.sha256 for m in remaining for _, ref in m.iter_files()}
-    ours = {b.cache_key for m in releases for b in m.buckets.values()}
+    ours = {k for m in releases for b in m.buckets.values() for k in _keys(b)}
     cutoff = now - grace_s
 
     entries = _cache_entries(store)
@@ -122,6 +122,11 @@ def gc(
         young_orphans=young,
         incomplete_uploads=incomplete,
     )
+
+
+def _keys(bucket: BucketEntry) -> list[str]:
+    """The cache entries a release's bucket came from: its graphs and its weights."""
+    return [bucket.cache_key, *([bucket.weights_key] if bucket.weights_key else [])]
 
 
 def _restore(store: Store, manifest: Manifest) -> None:

@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pipeline.errors import ManifestError, RuntimeMismatchError
 from pipeline.store.blobs import FileRef
 
-# 2: FileRef.part_size and FileRef.parts (per-part sha256, for verified parallel pulls).
-# Readers take any schema up to theirs; a newer one is refused with "upgrade inf2-pipeline".
+# 2: FileRef.part_size and FileRef.parts (per-part sha256, for verified parallel pulls), and
+# BucketEntry.weights_key (graphs and prepared weights cached apart: a fine-tune recompiles
+# nothing). Readers take any schema up to theirs; a newer one is "upgrade inf2-pipeline".
 MANIFEST_SCHEMA = 2
 
 
@@ -26,8 +27,11 @@ class BucketEntry(BaseModel):
 
     batch: int = Field(gt=0)
     seq: int = Field(gt=0)
-    cache_key: str
-    files: list[FileRef]
+    cache_key: str  # the graph key (pipeline.compile.keys)
+    # The key of the prepared weights among ``files`` (one for every bucket of a release);
+    # None where the graphs' files hold the weights (neuron) or in schema-1 manifests.
+    weights_key: str | None = None
+    files: list[FileRef]  # the graphs' files, then the prepared weights' files
 
 
 class Manifest(BaseModel):

@@ -3,8 +3,10 @@
 Per bucket: export ``decoder.Prefill`` and ``decoder.Decode`` with static shapes, compile
 each with ``aoti_compile_and_package`` into ``prefill.pt2`` / ``decode.pt2``, and describe
 them in ``graph.json`` (``pipeline.runtime.graph_abi``). Weights stay out of the packages
-(``package_constants_in_so=False``): ``prepare`` writes them once per run into
-``weights.safetensors``, shared by every bucket, and export runs on uninitialised tensors.
+(``package_constants_in_so=False``): ``prepare`` writes them once per release into
+``weights.safetensors``, shared by every bucket and cached under the weights key, and export
+runs on uninitialised tensors, so the packages do not depend on the weights
+(``graphs_depend_on_weights`` is False; docs/finetune.md).
 
 Config flags of the form ``inductor.<option>=<value>`` (JSON value, e.g.
 ``inductor.max_autotune=true``) set torch._inductor options; other flags are Neuron
@@ -13,6 +15,7 @@ compiler flags and are ignored here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -155,6 +158,8 @@ class AotiBackend(Backend):
         seconds = {}
         for name, graph, tokens, index in self._graphs(spec):
             module = dec.build(cfg, dtype, self.device, graph)
+            if not spec.constants:  # both graphs take the same constants
+                spec = dataclasses.replace(spec, constants=constant_specs(module))
             cache = [torch.zeros(spec.cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
             start = time.monotonic()
             with torch.no_grad():
@@ -167,10 +172,8 @@ class AotiBackend(Backend):
             print(f"{name}: exported and compiled in {seconds[name]}s", flush=True)
             check_loads(path)
         (job.out_dir / GRAPH_FILE).write_text(spec.to_json())
-        weights = job.out_dir / WEIGHTS_FILE
-        _link(job.shared[WEIGHTS_FILE], weights)
+        # No weights here: prepare() wrote them once, cached under the weights key.
         files = {n: job.out_dir / n for n in (PREFILL_FILE, DECODE_FILE, GRAPH_FILE)}
-        files[WEIGHTS_FILE] = weights
         return BucketOutput(
             files=files,
             meta={"device": self.device, "inductor_options": options, "graph_seconds": seconds},
@@ -277,10 +280,10 @@ def check_loads(package: Path) -> None:
     print(f"{package.name}: loads", flush=True)
 
 
-def _link(src: Path, dest: Path) -> None:
-    """Hard-link (the shared weights cost no space per bucket); copy across filesystems."""
-    dest.unlink(missing_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
+def constant_specs(module: Any) -> dict[str, dict[str, Any]]:
+    """Every constant the graphs bind at load time: name -> dtype and shape (graph.json), so
+    a loader can refuse weights of another shape before binding them."""
+    return {
+        name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        for name, t in module.state_dict().items()
+    }

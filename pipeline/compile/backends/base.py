@@ -71,6 +71,12 @@ class Backend(ABC):
     name: str
     # cpu/cuda compile the GQA-padded checkpoint; Neuron's tooling pads heads itself.
     wants_padded_checkpoint: bool = True
+    # False: ``compile`` writes weight-free graphs and ``prepare`` the weights every bucket
+    # binds at load time, so the graphs are cached under a key without the weights and a
+    # new checkpoint of the same architecture only runs ``prepare`` (docs/finetune.md).
+    # True: ``compile``'s outputs hold the weights (and the whole config.json), so they are
+    # part of the graph key and every new checkpoint compiles again.
+    graphs_depend_on_weights: bool = False
 
     def unavailable_reason(self) -> str | None:
         """None when this backend can compile here; else one line saying what is missing."""
@@ -92,9 +98,12 @@ class Backend(ABC):
         return None
 
     def prepare(self, model_dir: Path, dtype: str, out_dir: Path) -> dict[str, Path]:
-        """Make files every bucket shares (once per run, in a worker). Default: none."""
+        """Make the prepared weights every bucket shares (once per release, in a worker),
+        cached under the weights key. Default: none."""
         return {}
 
     @abstractmethod
     def compile(self, job: BucketJob) -> BucketOutput:
-        """Compile one bucket into ``job.out_dir``. Runs in a child process."""
+        """Compile one bucket into ``job.out_dir``. Runs in a child process. Unless
+        ``graphs_depend_on_weights``, the outputs must not depend on the checkpoint's weights
+        (they are cached under a key without them) and must not include prepare's files."""

@@ -209,6 +209,12 @@ def exporter_python() -> str:
 class NeuronBackend(Backend):
     name = "neuron"
     wants_padded_checkpoint = False  # NxD applies its own GQA sharding for the tp degree
+    # The exporter's output holds the sharded weights (checkpoint/weights/) and a copy of
+    # config.json beside model.pt. model.pt itself is weight-free (NxD model_builder.py:1751,
+    # inline_weights_to_neff=False), but sharding new weights for it needs NxD's
+    # shard_checkpoint (optimum-neuron 0.4.5 pretrained_model.py:164-177), i.e. the Neuron
+    # SDK, which cannot run here: weights stay in the graph key (docs/finetune.md).
+    graphs_depend_on_weights = True
 
     def __init__(self) -> None:
         self._version: str | None = None
