@@ -482,7 +482,7 @@ def test_sigterm_stops_the_workers_like_ctrl_c(config, tmp_path):
     finally:
         _stop(proc, marker)
     assert proc.returncode == 143, err
-    assert "b2_s64 interrupted" in err and "b1_s64 interrupted" in err
+    assert "b2_s64 graph interrupted" in err and "b1_s64 graph interrupted" in err
     assert err.strip().splitlines()[-1] == "error: terminated"
     deadline = time.monotonic() + 20  # SIGKILLed processes exit asynchronously
     while _live_with(marker) and time.monotonic() < deadline:

@@ -314,7 +314,11 @@ class _Scheduler:
             return False
 
     def link_weights(self, bucket_dir: Path) -> None:
-        """Make a workdir bucket runnable: the prepared weights beside its graphs."""
+        """Make a workdir bucket runnable: the prepared weights beside its graphs. Not where
+        the graphs hold the weights: there prepare's output is the compiler's input (neuron:
+        the checkpoint handed to the exporter), not a file of the bucket."""
+        if get_backend(self.backend).graphs_depend_on_weights:
+            return
         for rel, path in self.shared.items():
             _link(path, bucket_dir / rel)
 
