@@ -23,6 +23,7 @@ from pipeline.cli import app
 from pipeline.errors import ManifestError, RuntimeMismatchError
 from pipeline.store import open_store
 from pipeline.store.layout import channel_key, release_key
+from pipeline.store.manifest import MANIFEST_SCHEMA
 from tests.release_factory import make_release, point_channel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +59,10 @@ DEFECTS: dict[str, tuple[Callable[[dict], dict] | Callable[[bytes], bytes], str]
         "field 'buckets.b1_s32.files.0.size'",
     ),
     "null field": (_set("model", None), "field 'model'"),
-    "newer schema": (_set("schema_version", 2), "manifest schema 2 is newer"),
+    "newer schema": (
+        _set("schema_version", MANIFEST_SCHEMA + 1),
+        f"manifest schema {MANIFEST_SCHEMA + 1} is newer",
+    ),
     "schema as a string": (_set("schema_version", "2"), "field 'schema_version'"),
     "newline in a key": (_set("x\ny", 1), "field 'x\\ny': unknown field"),
 }

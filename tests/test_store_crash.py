@@ -136,13 +136,21 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_release(kind, tmp_path
         calibration, finished = _run_worker(url, draft, sources, cal, None)
         assert finished
     outcomes = {"killed before the manifest": 0, "killed after the manifest": 0, "finished": 0}
-    for trial in range(TRIALS[kind]):
+    want = TRIALS[kind] // 2  # kills inside the publish, for the test to mean something
+    trial = 0
+    # The machine's load changes under the test (other jobs come and go), so the calibration
+    # can go stale: a trial that finished before its kill means publishes got faster, and
+    # the next kills aim earlier. Extra trials (at most 2× more) until enough kills landed.
+    while trial < TRIALS[kind] or (
+        outcomes["killed before the manifest"] < want and trial < 3 * TRIALS[kind]
+    ):
         draft = _draft(sources, kind, trial, rng, big=kind == "s3" and trial % 4 == 0)
         version = f"t{trial}"
         _, finished = _run_worker(url, draft, sources, version, rng.uniform(0, calibration))
         listed = _assert_listed_releases_complete(store, verify_digests=kind == "local")
         if finished:
             outcomes["finished"] += 1
+            calibration *= 0.7
         elif version in listed:
             outcomes["killed after the manifest"] += 1
         else:
@@ -152,12 +160,13 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_release(kind, tmp_path
         srcs = {ref.sha256: sources / ref.sha256 for _, ref in manifest.iter_files()}
         publish(store, manifest, srcs, version=version)
         assert read_release(store, "crashy", version).config == {"trial": trial}
+        trial += 1
     listed = _assert_listed_releases_complete(store, verify_digests=True)
-    assert sorted(listed) == sorted(["cal0", "cal1", *(f"t{i}" for i in range(TRIALS[kind]))])
+    assert sorted(listed) == sorted(["cal0", "cal1", *(f"t{i}" for i in range(trial))])
     leftovers = store.cleanup_incomplete(0)  # temporary files / unfinished multipart uploads
     print(
-        f"\n{kind}: publish {calibration:.2f} s; {TRIALS[kind]} trials: {outcomes}; "
+        f"\n{kind}: publish {calibration:.2f} s; {trial} trials: {outcomes}; "
         f"{leftovers} invisible leftovers of killed uploads removed"
     )
     # The test means something only if most kills landed inside the publish.
-    assert outcomes["killed before the manifest"] >= TRIALS[kind] // 2
+    assert outcomes["killed before the manifest"] >= want
