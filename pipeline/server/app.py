@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -411,6 +412,9 @@ def serve(options: ServeOptions) -> None:
         server.should_exit = True
 
     engine.on_failure = failed
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler that was there
+    # before it: this one, so that a clean drain exits 0 rather than dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
     if isinstance(engine.failure, PipelineError):
         raise engine.failure
