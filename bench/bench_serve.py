@@ -119,18 +119,29 @@ def padding(before: str, after: str, buckets) -> tuple[float, int, int]:
 
 
 def direct(model: BucketedModel, work) -> tuple[float, list[list[int]], float]:
-    """BucketedModel alone, rows grouped as they come, max_batch at a time; each row's answer
-    cut to its own max_tokens. Returns (seconds, answers, padding efficiency)."""
-    out: list[list[int]] = []
+    """BucketedModel alone: rows in arrival order, max_batch at a time while they fit one
+    bucket together; each row's answer cut to its own max_tokens. Returns (seconds, answers,
+    padding efficiency)."""
+    groups: list[list[int]] = []
+    for i, (p, g) in enumerate(work):
+        last = groups[-1] if groups else None
+        if last and len(last) < model.max_batch:
+            longest = max([len(p)] + [len(work[j][0]) for j in last])
+            most = max([g] + [work[j][1] for j in last])
+            if model.tokens_needed(longest, most) <= model.max_seq:
+                last.append(i)
+                continue
+        groups.append([i])
+    out: list[list[int]] = [[] for _ in work]
     real = slots = 0
     t0 = time.perf_counter()
-    for start in range(0, len(work), model.max_batch):
-        rows = work[start : start + model.max_batch]
+    for group in groups:
+        rows = [work[i] for i in group]
         n = max(g for _, g in rows)
         got = model.generate([p for p, _ in rows], n)
         bucket = model.select(len(rows), model.tokens_needed(max(len(p) for p, _ in rows), n))
-        for (p, g), r in zip(rows, got, strict=True):
-            out.append(r[:g])
+        for i, (p, g), r in zip(group, rows, got, strict=True):
+            out[i] = r[:g]
             real += model.tokens_needed(len(p), max(1, len(r[:g])))
         slots += bucket.tokens
     return time.perf_counter() - t0, out, real / slots

@@ -70,8 +70,9 @@ class FakeModel:
         return self.session_cls(self, bucket)
 
 
-def req(prompt, max_tokens, model=None) -> Request:
-    return Request(prompt=prompt, max_tokens=max_tokens, need=len(prompt) + max_tokens - 1)
+def req(prompt, max_tokens, steps=True) -> Request:
+    need = len(prompt) + max_tokens - 1
+    return Request(prompt=prompt, max_tokens=max_tokens, need=need, steps=steps)
 
 
 async def drain(r: Request) -> tuple[list[int], str]:
@@ -183,6 +184,20 @@ def test_close_drains_what_is_queued():
 
     out = run(body, max_wait_s=10)
     assert all(len(tokens) == 4 for tokens, _ in out)
+
+
+def test_whole_answers_run_without_per_step_tokens():
+    async def body(s, m):
+        a, b = req([5, 6], 3, steps=False), req([7], 6, steps=False)
+        m.gate.clear()
+        s.submit(a), s.submit(b)
+        m.gate.set()
+        return [await drain(r) for r in (a, b)], m.steps
+
+    (a, b), steps = run(body, max_wait_s=0.5)
+    assert a == ([FakeModel.token([5, 6], i) for i in range(3)], "length")
+    assert b == ([FakeModel.token([7], i) for i in range(6)], "length")
+    assert steps == 6  # the plain loop, for the longest request
 
 
 def test_sessions_without_on_tokens_still_answer():

@@ -240,7 +240,8 @@ def _admit(engine: Engine, body: Any) -> tuple[Job, protocol.CompletionRequest, 
             param="max_tokens",
             code="context_length_exceeded",
         )
-    job = Job(prompt=prompt, max_tokens=req.max_tokens, need=need)
+    steps = bool(req.stream or protocol.stop_list(req))
+    job = Job(prompt=prompt, max_tokens=req.max_tokens, need=need, steps=steps)
     try:
         engine.scheduler.submit(job)
     except QueueFull:

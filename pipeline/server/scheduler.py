@@ -62,6 +62,7 @@ class Request:
     need: int  # sequence positions a bucket must have for it
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
+    steps: bool = False  # wants tokens as they come (streaming, stop strings)
     cancelled: bool = False  # set from the loop: the client left, or a stop string matched
     bucket: Bucket | None = None
 
@@ -155,7 +156,8 @@ class Scheduler:
     def _run(self, group: list[Request], bucket: Bucket) -> None:
         eos = self.model.eos_token_id
         n = len(group)
-        counts = [0] * n
+        seen = [0] * n  # tokens produced for the row so far
+        sent = [0] * n  # of which delivered
         finished = [False] * n
         self.running = group
         for r in group:
@@ -169,11 +171,13 @@ class Scheduler:
                 if r.cancelled:
                     finished[i] = True
                     continue
-                counts[i] += 1
-                out.append((r, [int(t)]))
-                if int(t) == eos or counts[i] >= r.max_tokens:
+                seen[i] += 1
+                if r.steps:
+                    out.append((r, [int(t)]))
+                    sent[i] += 1
+                if int(t) == eos or seen[i] >= r.max_tokens:
                     finished[i] = True
-            if out:
+            if out:  # one wake-up of the loop per step, for every streaming row
                 self.loop.call_soon_threadsafe(_deliver, out)
             return all(finished)
 
@@ -181,9 +185,11 @@ class Scheduler:
             session = self.model.session(bucket)
             prompts = [r.prompt for r in group]
             max_new = max(r.max_tokens for r in group)
-            if _streams(session):
+            # Per-step tokens only when a row needs them: reading them is a host sync per
+            # step (on cuda), and whole answers need none.
+            if any(r.steps for r in group) and _streams(session):
                 rows = session.generate(prompts, max_new, eos, on_tokens=on_tokens)
-            else:  # a runner without per-step tokens: whole answers at the end
+            else:
                 rows = session.generate(prompts, max_new, eos)
         except Exception as e:  # the request fails, the server lives on
             msg = f"{type(e).__name__}: {e}"
@@ -194,8 +200,8 @@ class Scheduler:
         real = 0
         for i, r in enumerate(group):
             answer = rows[i][: r.max_tokens]
-            if not r.cancelled and len(answer) > counts[i]:
-                late.append((r, answer[counts[i] :]))
+            if not r.cancelled and len(answer) > sent[i]:
+                late.append((r, answer[sent[i] :]))
             real += self.model.tokens_needed(len(r.prompt), max(len(answer), 1))
             reason = "stop" if answer and eos is not None and answer[-1] == eos else "length"
             late.append((r, ("done", reason)))
