@@ -156,6 +156,12 @@ def main() -> None:
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument(
+        "--tolerate-mismatch",
+        action="store_true",
+        help="count answers that differ from the prompt alone instead of failing (bf16 on a "
+        "GPU: kernels of different batch shapes may round differently)",
+    )
     args = ap.parse_args()
 
     model = BucketedModel.load(args.release)
@@ -163,7 +169,7 @@ def main() -> None:
     work = workload(args.trace, model, args.requests, args.seed)
     alone = [model.generate([p], g)[0] for p, g in work]  # the truth: each prompt alone
     d_wall, d_out, d_eff = direct(model, work)
-    assert d_out == alone, "direct batches differ from single prompts"
+    mismatches = {"direct BucketedModel": sum(a != b for a, b in zip(d_out, alone, strict=True))}
     out_tokens = sum(len(a) for a in alone)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,9 +185,7 @@ def main() -> None:
                 before = get(url + "/metrics")[1]
                 wall, results = replay(url, name, work, conc)
                 after = get(url + "/metrics")[1]
-                wrong = [i for i, (ids, _) in enumerate(results) if ids != alone[i]]
-                if wrong:
-                    sys.exit(f"error: {label}: {len(wrong)} answers differ from the prompt alone")
+                mismatches[label] = sum(ids != alone[i] for i, (ids, _) in enumerate(results))
                 eff, batches, nrows = padding(before, after, model.buckets)
                 lat = sorted(t for _, t in results)
                 rows[label] = {
@@ -203,11 +207,16 @@ def main() -> None:
         "output_tokens_per_s": out_tokens / d_wall,
         "padding_efficiency": d_eff,
     }
+    for label, wrong in mismatches.items():
+        rows[label]["answers_differing_from_alone"] = wrong
+    if any(mismatches.values()) and not args.tolerate_mismatch:
+        sys.exit(f"error: answers that differ from the prompt alone: {mismatches}")
     base = rows["one at a time"]
     print(
         f"{len(work)} requests from {args.trace.name} (seed {args.seed}), {out_tokens} output "
         f"tokens, {model.manifest.model} on {model.device}, buckets "
-        f"{', '.join(b.name for b in model.buckets)}; every answer equals the prompt alone"
+        f"{', '.join(b.name for b in model.buckets)}; answers differing from the prompt "
+        f"alone: {sum(mismatches.values())}"
     )
     head = ("req/s", "tok/s", "padding eff.", "rows/batch", "× 1-at-a-time")
     print(f"{'':22} {head[0]:>8} {head[1]:>8} {head[2]:>12} {head[3]:>10} {head[4]:>13}")

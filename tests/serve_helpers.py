@@ -33,6 +33,7 @@ class ServerProcess:
         self._log = open(log, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.url = ""
+        self._terminated = False
 
     def __enter__(self) -> ServerProcess:
         return self
@@ -65,7 +66,10 @@ class ServerProcess:
         raise TimeoutError(f"serve was not ready in {timeout} s:\n{self.output()}")
 
     def terminate(self) -> None:
-        if self.proc.poll() is None:
+        """SIGTERM, once: a second one during the interpreter's exit (when Python has put
+        the default handlers back) would kill the process by the signal."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 60) -> int:

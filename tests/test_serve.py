@@ -231,6 +231,32 @@ def test_client_disconnect_frees_its_slot(server, client):
     assert client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3).choices
 
 
+def test_streaming_client_that_leaves_frees_its_row(server, client):
+    """A streaming client that closes after the response headers (63 tokens to go): its row
+    is marked finished, the request is counted as disconnected, nothing stays in flight."""
+    before = get(server.url + "/metrics")[1]
+    host = urlparse(server.url)
+    body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 63, "stream": True})
+    with socket.create_connection((host.hostname, host.port)) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        assert s.recv(12) == b"HTTP/1.1 200"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = get(server.url + "/metrics")[1]
+        gone = metric(now, "inf2_serve_requests_total", outcome="disconnected") - metric(
+            before, "inf2_serve_requests_total", outcome="disconnected"
+        )
+        if gone == 1 and metric(now, "inf2_serve_in_flight") == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the disconnect was not seen:\n{now}")
+    assert client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3).choices
+
+
 def test_lifecycle_readiness_full_queue_and_sigterm_drain(release, reference, tmp_path):
     """A fresh server with one queue slot and a long batching wait: /health before /ready;
     a burst gets 503 + Retry-After for all but the one queued request; SIGTERM lets that
