@@ -113,14 +113,19 @@ class Engine:
         )
         self.scheduler.run()
 
-    async def stop(self) -> None:
-        """Finish what is queued, then let the model thread end."""
+    def drain(self) -> None:
+        """Shutting down: take no new requests, run the queued ones now (no more waiting
+        for batch partners)."""
         self.metrics.ready.set(0)
         if self.scheduler is not None:
             self.phase = "draining"
             self.scheduler.close()
-            if self.thread is not None:
-                await asyncio.to_thread(self.thread.join)
+
+    async def stop(self) -> None:
+        """Finish what is queued, then let the model thread end."""
+        self.drain()
+        if self.scheduler is not None and self.thread is not None:
+            await asyncio.to_thread(self.thread.join)
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -407,7 +412,13 @@ def serve(options: ServeOptions) -> None:
         lifespan="on",
         timeout_keep_alive=5,
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            engine.drain()  # at once: queued requests must not wait out --max-wait-ms
+            await super().shutdown(sockets)
+
+    server = Server(config)
 
     def failed() -> None:
         server.should_exit = True
