@@ -2,8 +2,8 @@
 measured in the same run:
 
 * one at a time: the same requests sent to the same server by a single client;
-* direct: ``BucketedModel.generate`` in this process, in batches of the largest bucket batch
-  (no HTTP, no scheduler): what the runtime alone does with the same rows.
+* direct: ``BucketedModel.generate`` in this process, rows in arrival order in batches of the
+  largest bucket batch (no HTTP, no scheduler): what the runtime alone does with the rows.
 
 Request lengths come from the Azure conversation trace (``../shared/traces/``: ContextTokens,
 GeneratedTokens), sampled with a fixed seed and scaled so that the trace's p95 request
@@ -118,10 +118,10 @@ def padding(before: str, after: str, buckets) -> tuple[float, int, int]:
     return real / (real + pad) if real + pad else 0.0, int(batches), int(rows)
 
 
-def direct(model: BucketedModel, work) -> tuple[float, list[list[int]], float]:
+def direct(model: BucketedModel, work) -> tuple[float, list[list[int]], float, float]:
     """BucketedModel alone: rows in arrival order, max_batch at a time while they fit one
     bucket together; each row's answer cut to its own max_tokens. Returns (seconds, answers,
-    padding efficiency)."""
+    padding efficiency, rows per batch)."""
     groups: list[list[int]] = []
     for i, (p, g) in enumerate(work):
         last = groups[-1] if groups else None
@@ -144,7 +144,7 @@ def direct(model: BucketedModel, work) -> tuple[float, list[list[int]], float]:
             out[i] = r[:g]
             real += model.tokens_needed(len(p), max(1, len(r[:g])))
         slots += bucket.tokens
-    return time.perf_counter() - t0, out, real / slots
+    return time.perf_counter() - t0, out, real / slots, len(work) / len(groups)
 
 
 def main() -> None:
@@ -155,6 +155,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-wait-ms", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of all three; the best kept")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument(
         "--tolerate-mismatch",
@@ -168,45 +169,63 @@ def main() -> None:
     model.warmup()
     work = workload(args.trace, model, args.requests, args.seed)
     alone = [model.generate([p], g)[0] for p, g in work]  # the truth: each prompt alone
-    d_wall, d_out, d_eff = direct(model, work)
-    mismatches = {"direct BucketedModel": sum(a != b for a, b in zip(d_out, alone, strict=True))}
     out_tokens = sum(len(a) for a in alone)
+    mismatches: dict[str, int] = {}
+    rows: dict[str, dict] = {}
+
+    def keep(label: str, figures: dict) -> None:  # the best round: the least disturbed one
+        if label not in rows or figures["seconds"] < rows[label]["seconds"]:
+            rows[label] = figures
 
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "serve.log"
         with ServerProcess(args.release, log, "--max-wait-ms", str(args.max_wait_ms)) as s:
             url = s.wait_ready()
             name = json.loads(get(url + "/v1/models")[1])["data"][0]["id"]
-            rows = {}
-            for label, conc in (
-                ("one at a time", 1),
-                (f"{args.concurrency} clients", args.concurrency),
-            ):
-                before = get(url + "/metrics")[1]
-                wall, results = replay(url, name, work, conc)
-                after = get(url + "/metrics")[1]
-                mismatches[label] = sum(ids != alone[i] for i, (ids, _) in enumerate(results))
-                eff, batches, nrows = padding(before, after, model.buckets)
-                lat = sorted(t for _, t in results)
-                rows[label] = {
-                    "concurrency": conc,
-                    "seconds": wall,
-                    "requests_per_s": len(work) / wall,
-                    "output_tokens_per_s": out_tokens / wall,
-                    "padding_efficiency": eff,
-                    "batches": batches,
-                    "rows_per_batch": nrows / batches if batches else 0,
-                    "p50_latency_s": statistics.median(lat),
-                    "p99_latency_s": lat[int(0.99 * (len(lat) - 1))],
-                }
+            # Rounds alternate the three ways, so that load from other work on the machine
+            # falls on all of them alike.
+            for _ in range(args.rounds):
+                for label, conc in (
+                    ("one at a time", 1),
+                    (f"{args.concurrency} clients", args.concurrency),
+                ):
+                    before = get(url + "/metrics")[1]
+                    wall, results = replay(url, name, work, conc)
+                    after = get(url + "/metrics")[1]
+                    wrong = sum(ids != alone[i] for i, (ids, _) in enumerate(results))
+                    mismatches[label] = mismatches.get(label, 0) + wrong
+                    eff, batches, nrows = padding(before, after, model.buckets)
+                    lat = sorted(t for _, t in results)
+                    keep(
+                        label,
+                        {
+                            "concurrency": conc,
+                            "seconds": wall,
+                            "requests_per_s": len(work) / wall,
+                            "output_tokens_per_s": out_tokens / wall,
+                            "padding_efficiency": eff,
+                            "batches": batches,
+                            "rows_per_batch": nrows / batches if batches else 0,
+                            "p50_latency_s": statistics.median(lat),
+                            "p99_latency_s": lat[int(0.99 * (len(lat) - 1))],
+                        },
+                    )
+                d_wall, d_out, d_eff, d_rows = direct(model, work)
+                label = "direct BucketedModel"
+                wrong = sum(a != b for a, b in zip(d_out, alone, strict=True))
+                mismatches[label] = mismatches.get(label, 0) + wrong
+                keep(
+                    label,
+                    {
+                        "concurrency": model.max_batch,
+                        "seconds": d_wall,
+                        "requests_per_s": len(work) / d_wall,
+                        "output_tokens_per_s": out_tokens / d_wall,
+                        "padding_efficiency": d_eff,
+                        "rows_per_batch": d_rows,
+                    },
+                )
             assert s.stop() == 0, s.output()
-    rows["direct BucketedModel"] = {
-        "concurrency": model.max_batch,
-        "seconds": d_wall,
-        "requests_per_s": len(work) / d_wall,
-        "output_tokens_per_s": out_tokens / d_wall,
-        "padding_efficiency": d_eff,
-    }
     for label, wrong in mismatches.items():
         rows[label]["answers_differing_from_alone"] = wrong
     if any(mismatches.values()) and not args.tolerate_mismatch:
@@ -215,8 +234,8 @@ def main() -> None:
     print(
         f"{len(work)} requests from {args.trace.name} (seed {args.seed}), {out_tokens} output "
         f"tokens, {model.manifest.model} on {model.device}, buckets "
-        f"{', '.join(b.name for b in model.buckets)}; answers differing from the prompt "
-        f"alone: {sum(mismatches.values())}"
+        f"{', '.join(b.name for b in model.buckets)}; best of {args.rounds} rounds; answers "
+        f"differing from the prompt alone: {sum(mismatches.values())}"
     )
     head = ("req/s", "tok/s", "padding eff.", "rows/batch", "× 1-at-a-time")
     print(f"{'':22} {head[0]:>8} {head[1]:>8} {head[2]:>12} {head[3]:>10} {head[4]:>13}")
@@ -232,6 +251,7 @@ def main() -> None:
                 {
                     "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     "requests": len(work),
+                    "rounds": args.rounds,
                     "output_tokens": out_tokens,
                     "device": model.device,
                     "buckets": [b.name for b in model.buckets],
