@@ -26,7 +26,8 @@ class ServerProcess:
 
     def __init__(self, release: Path, log: Path, *args: str) -> None:
         self.log = log
-        env = dict(os.environ, PYTHONPATH=str(REPO), CI="true")
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONPATH=path, CI="true")
         cmd = [sys.executable, "-c", "from pipeline.cli import main; main()", "serve"]
         cmd += [str(release), "--port", "0", *args]
         # A file, not a pipe: a full pipe would block the server. Closed in stop().
