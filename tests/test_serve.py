@@ -351,3 +351,21 @@ def test_batched_rows_equal_single_rows_on_cpu(reference):
         both = model.session(Bucket(2, 64)).generate([p, q], max(n, m), model.eos_token_id)
         assert both[0][:n] == reference(p, n)
         assert both[1][:m] == reference(q, m)
+
+
+def test_session_on_tokens_streams_each_step_and_can_stop(reference):
+    """The runtime hook under streaming: one call per step with each row's token, equal to
+    the result; True stops the loop there."""
+    from pipeline.plan.buckets import Bucket
+
+    session = reference.model.session(Bucket(2, 64))
+    prompts = [[1, 17, 42], [5, 6, 7, 8]]
+    steps: list[list[int]] = []
+    rows = session.generate(prompts, 10, None, on_tokens=lambda t: steps.append(t))
+    assert [[s[i] for s in steps] for i in range(2)] == rows
+    assert rows == session.generate(prompts, 10, None)  # the plain loop gives the same
+    calls: list[list[int]] = []
+    short = session.generate(
+        prompts, 10, None, on_tokens=lambda t: calls.append(t) or len(calls) == 3
+    )
+    assert len(calls) == 3 and short == [r[:3] for r in rows]
