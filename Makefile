@@ -33,11 +33,12 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[torch,plot,dev]'
+	$(BIN)/python -m pip install -q -e '.[torch,serve,plot,dev]'
 	touch $@
 
 # tiny model → validate → plan → release (compile on cpu + publish to artifacts/) → promote
-# → pull into pulled/ → load → generate beside Hugging Face's tokens. See scripts/demo.sh.
+# → pull into pulled/ → load → generate beside Hugging Face's tokens → serve it and ask it with
+# the OpenAI client. See scripts/demo.sh.
 demo: $(STAMP)
 	CLI=$(CLI) PY=$(BIN)/python scripts/demo.sh
 

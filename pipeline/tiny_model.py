@@ -13,6 +13,60 @@ from pathlib import Path
 from pipeline.errors import InputError
 from pipeline.plan.checkpoint import ARCHITECTURES
 
+# Enough text for a BPE vocabulary of a few hundred tokens; any text would do. Trained
+# offline (no hub), so the demo can serve text prompts.
+_CORPUS = """\
+Static shapes pay off when requests are grouped into the nearest bucket.
+A compiled graph serves every request whose prompt and answer fit its sequence length.
+The server batches waiting requests, pads them to the bucket, and streams tokens back.
+Inferentia2 runs ahead-of-time compiled graphs with fixed shapes on its NeuronCores.
+The init container pulls the release, verifies every byte, and installs it atomically.
+Greedy decoding picks the most likely next token at every step, so answers are reproducible.
+A tiny random model writes words that mean nothing, which is fine for a demo of the plumbing.
+Buckets trade compile hours against padding: too few waste compute, too many waste memory.
+Each release is a manifest of content-addressed blobs, published only when every bucket is there.
+Time to first token, time per output token and the whole request are measured by the server.
+When the queue is full the server answers with a retry hint instead of dropping the request.
+On shutdown it stops accepting, finishes what is in flight, and then exits cleanly.
+Tensor parallelism splits attention heads across cores; grouped query attention shares keys.
+The quick brown fox jumps over the lazy dog while the scheduler waits a few milliseconds.
+"""
+# Ids 0..3, matching the config's pad/bos/eos ids below.
+_SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")
+MIN_TOKENIZER_VOCAB = 128  # the character alphabet and the special tokens need ~100 ids
+
+
+def write_tiny_tokenizer(out: Path, vocab: int) -> None:
+    """A BPE tokenizer trained on ``_CORPUS`` with at most ``vocab`` tokens (so every id it
+    produces is one the model knows): tokenizer.json and tokenizer_config.json, loadable with
+    ``transformers.AutoTokenizer``. Like Llama's, it prepends ``<s>``."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=list(_SPECIAL),
+        initial_alphabet=list(string.ascii_letters + string.digits + string.punctuation),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+    )
+    fast.save_pretrained(str(out))
+
 
 def write_tiny_model(
     out: Path,
@@ -28,7 +82,8 @@ def write_tiny_model(
     seed: int = 0,
     overwrite: bool = False,
 ) -> Path:
-    """Write config.json, model.safetensors and generation_config.json into ``out``."""
+    """Write config.json, model.safetensors, generation_config.json and (for vocabularies of
+    at least ``MIN_TOKENIZER_VOCAB``) a small tokenizer into ``out``."""
     for name, v in (
         ("layers", layers),
         ("hidden", hidden),
@@ -86,6 +141,8 @@ def write_tiny_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".incomplete", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
+        if vocab >= MIN_TOKENIZER_VOCAB:
+            write_tiny_tokenizer(tmp, vocab)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

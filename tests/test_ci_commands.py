@@ -101,3 +101,13 @@ def test_serving_pod_pulls_with_the_cli():
         "--store",
         "s3://my-model-artifacts/inf2",
     ] in lines
+
+
+def test_serving_pod_serves_with_the_cli_and_probes():
+    lines = command_lines(REPO / "ci/k8s/serving-pod.yaml")
+    assert any(argv[:2] == ["serve", "/models/llama-3-8b"] for argv in lines)
+    docs = list(yaml.safe_load_all((REPO / "ci/k8s/serving-pod.yaml").read_text()))
+    pod = next(d for d in docs if d["kind"] == "Pod")
+    (server,) = pod["spec"]["containers"]
+    assert server["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert server["readinessProbe"]["httpGet"]["path"] == "/ready"

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from pipeline import __version__
-from pipeline.cli import buckets, config, gqa, model, parity, pull, run
+from pipeline.cli import buckets, config, gqa, model, parity, pull, run, serve
 from pipeline.cli import compile as compile_cli
 from pipeline.cli import store as store_cli
 from pipeline.cli._common import new_app
@@ -41,6 +41,7 @@ model.register(app)
 config.register(app)
 pull.register(app)
 run.register(app)
+serve.register(app)
 parity.register(app)
 store_cli.register(app)
 compile_cli.register(app)

@@ -33,6 +33,9 @@ from pipeline.runtime.graph_abi import BucketGraphs
 
 EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}  # steps between host syncs (cpu has nothing to queue)
 
+# Streaming: the tokens of one step, one per prompt; True stops generating.
+OnTokens = Callable[[list[int]], bool | None]
+
 
 class DecodeSession:
     def __init__(
@@ -91,9 +94,20 @@ class DecodeSession:
         return self.graphs.decode(tokens, positions, self.k_cache, self.v_cache)[0]
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        on_tokens: OnTokens | None = None,
     ) -> list[list[int]]:
-        """Greedy: the new tokens of each prompt, each ending at its first EOS (if any)."""
+        """Greedy: the new tokens of each prompt, each ending at its first EOS (if any).
+
+        ``on_tokens`` (for streaming): called after every step with the token each prompt's
+        row produced (rows past their EOS included; the caller ignores them); returning True
+        stops generating, and the result is cut there. Reading the tokens is a host sync per
+        step, so it happens only when a callback is given: without one, the loop is the
+        same as before (on cuda, a sync every ``EOS_CHECK_EVERY`` steps).
+        """
         self._check(prompts, max_new_tokens)
         n, b, s = len(prompts), self.spec.batch, self.spec.seq
         tokens = torch.zeros((b, s), dtype=torch.int64)
@@ -107,12 +121,15 @@ class DecodeSession:
         step = self._advance(first[:, None], lengths)
         check_every = EOS_CHECK_EVERY.get(self.device.type, 8)
         done = 1  # tokens generated so far, per row
-        while done < max_new_tokens:
+        stop = on_tokens is not None and bool(on_tokens(first[:n].tolist()))
+        while done < max_new_tokens and not stop:
             check = eos_token_id is not None and done % check_every == 0
             if check and self._all_stopped(lengths, done, n, eos_token_id):
                 break
             step()
             done += 1
+            if on_tokens is not None:
+                stop = bool(on_tokens(self._column(lengths, done, n)))
         rows = self.generated[:n].tolist()
         starts = lengths[:n].tolist()
         return [_until(r[p : p + done], eos_token_id) for r, p in zip(rows, starts, strict=True)]
@@ -142,6 +159,11 @@ class DecodeSession:
             return self._step.replay
         state = (tokens.clone(), positions.clone(), self.k_cache, self.v_cache, self.generated)
         return lambda: self._greedy_step(*state)
+
+    def _column(self, lengths: Tensor, done: int, n: int) -> list[int]:
+        """The token each of the first ``n`` rows produced at its step ``done``."""
+        where = (lengths[:n] + done - 1).clamp(max=self.spec.seq)
+        return self.generated[:n].gather(1, where[:, None]).squeeze(1).tolist()
 
     def _all_stopped(self, lengths: Tensor, done: int, n: int, eos: int) -> bool:
         cols = torch.arange(self.spec.seq + 1, device=self.device)

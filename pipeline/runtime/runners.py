@@ -6,7 +6,7 @@ runner serves a backend is the backend table's ``runtime`` entry (``pipeline.bac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from pipeline import backends
@@ -22,9 +22,17 @@ class Session(Protocol):
     seq: int
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_token_id: int | None
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        eos_token_id: int | None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
     ) -> list[list[int]]:
-        """Greedy: the new tokens of each prompt (at most ``batch`` prompts)."""
+        """Greedy: the new tokens of each prompt (at most ``batch`` prompts).
+
+        ``on_tokens`` (optional; ``serve`` streams with it, and falls back to whole answers
+        for sessions without it): called after every step with each prompt's new token;
+        True stops generating. No callback: no per-step host work."""
         ...
 
 

@@ -1,0 +1,183 @@
+"""The OpenAI completions wire format: request checking, responses, errors.
+
+Only what the runtime can honour is accepted: greedy decoding (temperature 0, or left out),
+one prompt, one choice. Any parameter that would change the answer and cannot be honoured
+is a 400 that says so, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        kind = {400: "invalid_request_error", 404: "invalid_request_error"}.get(
+            self.status, "server_error" if self.status >= 500 else "invalid_request_error"
+        )
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+class CompletionRequest(BaseModel):
+    # Unknown parameters are refused: a sampler option silently ignored changes answers.
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+    echo: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None  # greedy decoding has no randomness to seed: accepted, no effect
+    suffix: str | None = None
+    user: str | None = None
+
+
+# parameter -> (the value that means "off", why it cannot be honoured)
+_GREEDY_ONLY = {
+    "temperature": (0.0, "this server decodes greedily (the compiled graphs return the argmax)"),
+    "top_p": (1.0, "this server decodes greedily; nucleus sampling is not available"),
+    "n": (1, "one choice per request (greedy decoding gives the same answer every time)"),
+    "best_of": (1, "one choice per request"),
+    "presence_penalty": (0.0, "the compiled graphs return the argmax; no penalties"),
+    "frequency_penalty": (0.0, "the compiled graphs return the argmax; no penalties"),
+}
+
+
+def parse_request(body: Any) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        req = CompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "extra_forbidden":
+            msg = f"unsupported parameter '{param}': this server cannot honour it"
+        else:
+            msg = f"invalid '{param}': {err['msg']}"
+        raise ApiError(400, msg, param=param) from None
+    for name, (off, why) in _GREEDY_ONLY.items():
+        value = getattr(req, name)
+        if value is not None and value != off:
+            raise ApiError(400, f"{name}={value} is not supported: {why}; send {off}", param=name)
+    if req.temperature is not None and req.temperature < 0:
+        raise ApiError(400, "temperature must be ≥ 0", param="temperature")
+    if req.logprobs is not None:
+        raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+    if req.echo:
+        raise ApiError(400, "echo is not supported by this server", param="echo")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported: greedy argmax only", param="logit_bias")
+    if req.suffix:
+        raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
+    if req.max_tokens is None:
+        req.max_tokens = DEFAULT_MAX_TOKENS
+    if req.max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be ≥ 1, got {req.max_tokens}", param="max_tokens")
+    stops = stop_list(req)
+    if len(stops) > 4:
+        raise ApiError(400, "at most 4 stop sequences", param="stop")
+    return req
+
+
+def stop_list(req: CompletionRequest) -> list[str]:
+    if req.stop is None:
+        return []
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop)
+
+
+def one_prompt(req: CompletionRequest) -> str | list[int]:
+    """The request's single prompt (text or token ids)."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise ApiError(
+                400, f"{len(p)} prompts in one request: send one per request", param="prompt"
+            )
+        p = p[0]
+    if not p:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return p
+
+
+def new_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def completion(
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    token_ids: list[int] | None,
+    finish_reason: str | None,
+    usage: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A completion (or one streamed chunk of it). ``token_ids`` is an extension field: the
+    generated ids (the client's models keep unknown fields)."""
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "token_ids": token_ids,
+            }
+        ],
+    }
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def usage(prompt: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
+
+
+def now() -> int:
+    return int(time.time())
