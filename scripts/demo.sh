@@ -35,7 +35,7 @@ log=$(mktemp)
 $CLI serve "$DEST/tiny-llama" --port 0 >"$log" 2>&1 &
 server=$!
 # The server never outlives the demo, whatever happens below.
-trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -f "$log"' EXIT
+trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -f "$log"' EXIT
 trap 'exit 130' INT TERM
 $PY scripts/serve_demo.py "$log"
 kill -TERM "$server"  # drains in-flight requests, then exits 0
