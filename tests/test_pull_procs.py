@@ -161,7 +161,8 @@ def test_killing_the_pull_ends_its_workers_and_a_rerun_resumes(s3_store_url, s3_
     with FaultProxy(s3_env, lambda *_: False, delay=0.3) as proxy:
         env = {**os.environ, "AWS_ENDPOINT_URL": proxy.url, "PYTHONPATH": str(REPO)}
         pull = subprocess.Popen(
-            [sys.executable, "-c", CLI, "pull", "m", "--version", "v1", "--dest", str(dest), "--store", s3_store_url, "--processes", "2", "--concurrency", "2",
+            [sys.executable, "-c", CLI, "pull", "m", "--version", "v1", "--dest", str(dest),
+             "--store", s3_store_url, "--processes", "2", "--concurrency", "2",
              "--part-size", "64KiB"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         )  # fmt: skip
