@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from pipeline.install import pull_procs
 from pipeline.install.pull import default_processes, pull_release
 from pipeline.store import open_store
 from pipeline.store.layout import blob_key
@@ -55,9 +56,15 @@ def test_default_processes_keep_small_nodes_in_one_process():
     assert default_processes(8, concurrency=8) == 4
 
 
+@pytest.fixture
+def workers_only(monkeypatch):
+    """The workers land every range (not the pull's own threads while they start)."""
+    monkeypatch.setattr(pull_procs, "LAND_WHILE_STARTING", False)
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("schema", [2, 1])
-def test_processes_land_every_file_verified(s3_store_url, tmp_path, schema):
+def test_processes_land_every_file_verified(s3_store_url, tmp_path, schema, workers_only):
     store = open_store(s3_store_url)
     kw = {"schema": 1, "part_size": None} if schema == 1 else {}
     m = _release(store, tmp_path, **kw) if schema == 2 else make_release(
@@ -70,6 +77,7 @@ def test_processes_land_every_file_verified(s3_store_url, tmp_path, schema):
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["processes"] == 2 and out["worker_peak_rss"] > 0
+    assert out["worker_parts"] == out["parts"] > 2
     assert out["refetched_parts"] == 0
     _same_as_published(dest / "m/current", store, m)
     if schema == 2:  # the duplicate blob is one download, hard-linked
@@ -95,7 +103,7 @@ def _ranged_get_of(key: str, offset: int):
 
 @pytest.mark.s3
 def test_a_corrupted_part_is_refetched_alone_by_a_worker(
-    s3_store_url, s3_env, tmp_path, monkeypatch
+    s3_store_url, s3_env, tmp_path, monkeypatch, workers_only
 ):
     store = open_store(s3_store_url)
     m = _release(store, tmp_path)
@@ -106,12 +114,13 @@ def test_a_corrupted_part_is_refetched_alone_by_a_worker(
                          part_size=2 * PART, concurrency=4, processes=2)  # fmt: skip
     assert proxy.hits and proxy.hits[0][2].startswith(f"bytes={4 * PART}-")
     assert r.processes == 2 and r.refetched_parts == 1 and r.refetched_files == 0
+    assert r.worker_parts == r.parts
     _same_as_published(r.path, store, m)
 
 
 @pytest.mark.s3
 def test_persistent_corruption_in_a_worker_is_one_line_and_exit_1(
-    s3_store_url, s3_env, tmp_path, monkeypatch
+    s3_store_url, s3_env, tmp_path, monkeypatch, workers_only
 ):
     store = open_store(s3_store_url)
     m = _release(store, tmp_path)

@@ -115,6 +115,7 @@ class PullResult:
     verify: str = "parts"
     processes: int = 1  # worker processes that landed ranges (1: this process's threads)
     worker_peak_rss: int = 0  # the sum of the worker processes' peak resident sets
+    worker_parts: int = 0  # ranges landed (or found already there) by worker processes
 
     @property
     def throughput(self) -> float:
@@ -161,9 +162,39 @@ def pull_release(
 
     staging = model_dir / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
+    pool = None
+    if processes > 1 and total:  # started now: they boot while the resume check runs
+        from pipeline.install.pull_procs import WorkerPool
+
+        pool = WorkerPool(reopen, processes, -(-concurrency // processes))
+    try:
+        return _pull_into(
+            store, staging, final, model_dir, files, raw, result, start, pool, part_size
+        )
+    finally:
+        if pool is not None:
+            pool.stop()
+
+
+def _pull_into(
+    store: Store,
+    staging: Path,
+    final: Path,
+    model_dir: Path,
+    files: list[tuple[str, FileRef]],
+    raw: bytes,
+    result: PullResult,
+    start: float,
+    pool: WorkerPool | None,
+    part_size: int,
+) -> PullResult:
+    model, version, concurrency, verify = (
+        result.model, result.version, result.concurrency, result.verify,
+    )  # fmt: skip
+    total = result.reused_bytes
     # Resume: files a killed pull finished are kept if they still verify (checked in parallel).
-    with ThreadPoolExecutor(concurrency) as pool:
-        kept = list(pool.map(lambda f: _verified(staging / f[0], f[1]), files))
+    with ThreadPoolExecutor(concurrency) as checks:
+        kept = list(checks.map(lambda f: _verified(staging / f[0], f[1]), files))
     # The same bytes under several paths (each bucket's weights.safetensors) download once.
     have: dict[str, Path] = {}
     fetching: set[str] = set()
@@ -178,19 +209,10 @@ def pull_release(
             fetch.append((target, ref))
             fetching.add(ref.sha256)
     reused = total - sum(ref.size for _, ref in fetch)
-    pool = None
-    if processes > 1 and fetch:
-        from pipeline.install.pull_procs import WorkerPool
-
-        pool = WorkerPool(reopen, processes, -(-concurrency // processes))
     fetcher = _Fetcher(store, concurrency, part_size, verify, pool)
-    try:
-        with byte_progress(f"pull {model} {version}", total) as progress:
-            progress.advance(reused)
-            fetcher.fetch_all(fetch, progress)
-    finally:
-        if pool is not None:
-            pool.stop()
+    with byte_progress(f"pull {model} {version}", total) as progress:
+        progress.advance(reused)
+        fetcher.fetch_all(fetch, progress)
     have.update({ref.sha256: target for target, ref in fetch})
     for target, ref in copies:
         _link_or_copy(have[ref.sha256], target)
@@ -209,6 +231,7 @@ def pull_release(
         refetched_parts=fetcher.refetched_parts,
         refetched_files=fetcher.refetched_files,
         worker_peak_rss=pool.peak_rss if pool is not None else 0,
+        worker_parts=fetcher.by_workers,
     )
 
 
@@ -294,6 +317,7 @@ class _Fetcher:
         self.verify = verify
         self.downloaded = self.parts = self.refetched_parts = self.refetched_files = 0
         self.resumed = 0  # bytes of partial files a killed pull left, kept because they verify
+        self.by_workers = 0  # ranges landed by worker processes
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: queue.SimpleQueue[tuple[_File, int, int] | None] = queue.SimpleQueue()
@@ -370,8 +394,12 @@ class _Fetcher:
                 f.fd = os.open(f.tmp, os.O_RDWR) if f.resume else _preallocated(f.tmp, f.ref.size)
         whole = f.ref.parts is None and len(f.ranges) == 1
         job = RangeJob(f.key, f.ref, str(f.tmp), start, length, whole, f.resume)
-        out = self.pool.call(job) if self.pool else land_range(self.store, job, f.fd)
+        out = self.pool.call(job) if self.pool else None
+        by_worker = out is not None
+        if out is None:  # no worker processes, or none ready yet
+            out = land_range(self.store, job, f.fd)
         with self._lock:
+            self.by_workers += by_worker
             if out.resumed:
                 self.resumed += length
             else:

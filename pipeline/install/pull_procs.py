@@ -5,7 +5,9 @@ Python work hold the GIL), so on a node with more CPUs the ranges are landed by 
 processes. The parent keeps everything else (the queue of ranges, progress, resume
 bookkeeping, whole-file checks, the install): each of its threads hands one range to the
 least busy worker and waits for the answer, so ranges in flight across all processes stay
-at most ``concurrency`` and memory stays bounded as with threads alone.
+at most ``concurrency`` and memory stays bounded as with threads alone. While no worker is
+ready (they take a few hundred ms to import boto3 and open a client), the parent's threads
+land ranges themselves, so starting the workers costs no wall time.
 
 A worker opens its own store from ``S3Store.reopen_kwargs()`` (never a client made before
 the process existed), reads jobs (pickled ``RangeJob``\\s, length-prefixed) on stdin, lands
@@ -26,6 +28,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -35,6 +38,9 @@ from pipeline.errors import PipelineError
 
 _HEADER = struct.Struct("<Q")
 STOP_S = 2.0  # how long stopping waits for workers to exit before SIGKILL
+# While no worker is ready, the caller lands a range itself (tests turn this off to make
+# the workers land every range).
+LAND_WHILE_STARTING = True
 # The directory holding the ``pipeline`` package, so workers import the same code.
 _ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -71,6 +77,7 @@ class _Worker:
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
         self.busy = 0
+        self.ready = False  # it has opened its store and takes jobs
         self.peak_rss = 0
         self.pending: dict[int, Future] = {}
         self.write_lock = threading.Lock()
@@ -83,6 +90,9 @@ class _Worker:
             while (msg := _recv(self.proc.stdout)) is not None:
                 job_id, ok, value, rss = msg
                 self.peak_rss = max(self.peak_rss, rss)
+                if job_id is None:
+                    self.ready = True
+                    continue
                 fut = self.pending.pop(job_id)
                 if ok:
                     fut.set_result(value)
@@ -107,6 +117,7 @@ class WorkerPool:
     """``processes`` worker processes with ``threads`` threads each."""
 
     def __init__(self, store_kwargs: dict[str, Any], processes: int, threads: int) -> None:
+        self.threads = threads
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, env.get("PYTHONPATH")]))
         self._lock = threading.Lock()
@@ -133,15 +144,26 @@ class WorkerPool:
         return sum(w.peak_rss for w in self.workers)
 
     def call(self, job: Any) -> Any:
-        """Land ``job`` on the least busy worker; its answer, or its error raised here."""
-        with self._lock:
-            if self._stopped:
-                raise InterruptedError
-            w = min(self.workers, key=lambda w: w.busy)
-            w.busy += 1
-            job_id = next(self._ids)
-            fut: Future = Future()
-            w.pending[job_id] = fut
+        """Land ``job`` on the least busy worker; its answer, or its error raised here.
+        None while no worker is ready with a free thread (they are still starting: a second
+        or so of imports): the caller lands it itself meanwhile."""
+        while True:
+            with self._lock:
+                if self._stopped:
+                    raise InterruptedError
+                free = [w for w in self.workers if w.ready and w.busy < self.threads]
+                if free:
+                    w = min(free, key=lambda w: w.busy)
+                    w.busy += 1
+                    job_id = next(self._ids)
+                    fut: Future = Future()
+                    w.pending[job_id] = fut
+                    break
+            if LAND_WHILE_STARTING:
+                return None
+            if all(w.proc.poll() is not None for w in self.workers):
+                raise PipelineError("pull worker processes", "all exited before starting")
+            time.sleep(0.01)
         try:
             try:
                 assert w.proc.stdin is not None
@@ -165,13 +187,16 @@ class WorkerPool:
                 w.busy -= 1
 
     def stop(self) -> None:
-        """End every worker: EOF on its stdin, then SIGKILL after ``STOP_S``."""
+        """End every worker: EOF on its stdin, then SIGKILL after ``STOP_S``; one still
+        starting (it holds nothing yet) at once."""
         with self._lock:
             self._stopped = True
         for w in self.workers:
             with contextlib.suppress(OSError):
                 assert w.proc.stdin is not None
                 w.proc.stdin.close()
+            if not w.ready:
+                w.proc.kill()
         for w in self.workers:
             try:
                 w.proc.wait(STOP_S)
@@ -211,6 +236,7 @@ def main(argv: list[str]) -> int:
 
     store = S3Store(**store_kwargs)
     lock = threading.Lock()
+    _send(answers, (None, True, None, _peak_rss()))  # ready
 
     def land(job_id: int, job: Any) -> None:
         try:
