@@ -8,6 +8,11 @@ install. See docs/pull.md for the flags, the defaults and why.
   checks each manifest part in it against its sha256 (hashlib releases the GIL, so checks run
   on every core), and writes it at its offset with ``os.pwrite`` into a preallocated temporary
   file. Bytes in memory stay below concurrency × range size.
+* On a node with more than 4 CPUs, from S3, those threads hand each range to one of
+  ``processes`` worker processes (``pipeline.install.pull_procs``), which land it the same
+  way with ``land_range``: one process's threads top out near two cores (the GIL). Ranges
+  in flight across all processes stay at most ``concurrency``; everything else (progress,
+  resume, whole-file checks, install) stays here.
 * A bad part (wrong bytes, short read) is fetched again, alone, up to ``PART_RETRIES`` times.
   The whole-file sha256 (the blob's name) is checked where it costs nothing extra (a file of
   one range, hashed in memory), and for every file with ``verify="full"``. Files whose ref has
