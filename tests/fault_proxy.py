@@ -4,6 +4,7 @@
 ``FaultProxy(upstream, corrupt=rule, times=1)``: ``rule(method, path, headers)`` picks the
 responses whose body gets one byte flipped (in the middle), at most ``times`` times
 (``times=None``: always). ``hits`` lists the (method, path, range) of every corrupted one.
+``delay`` seconds hold every ranged GET (a slow network); ``ranges_served`` counts those answered.
 It listens on 127.0.0.1 in a thread of the test process and stops with the ``with`` block.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -20,9 +22,12 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, corrupt: Rule, times: int | None = 1) -> None:
+    def __init__(
+        self, upstream: str, corrupt: Rule, times: int | None = 1, delay: float = 0.0
+    ) -> None:
         self.upstream = urlsplit(upstream)
-        self.corrupt, self.times = corrupt, times
+        self.corrupt, self.times, self.delay = corrupt, times, delay
+        self.ranges_served = 0
         self.hits: list[tuple[str, str, str | None]] = []
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -83,8 +88,14 @@ class FaultProxy:
                 if not head:
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                ranged = self.command == "GET" and "Range" in self.headers
+                if ranged and proxy.delay:
+                    time.sleep(proxy.delay)
                 if not head:
                     self.wfile.write(data)
+                if ranged:
+                    with proxy._lock:
+                        proxy.ranges_served += 1
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 

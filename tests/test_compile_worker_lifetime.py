@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = """
 import signal, subprocess, sys, time
 from pathlib import Path
-from pipeline.compile import worker
+from pipeline import _procs as worker  # what pipeline.compile.worker uses
 parent, mode, marker = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 if mode == "signal":
     worker.WATCH_S = 3600  # the watch thread looks once, then sleeps: only the signal acts

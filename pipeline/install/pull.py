@@ -8,6 +8,11 @@ install. See docs/pull.md for the flags, the defaults and why.
   checks each manifest part in it against its sha256 (hashlib releases the GIL, so checks run
   on every core), and writes it at its offset with ``os.pwrite`` into a preallocated temporary
   file. Bytes in memory stay below concurrency × range size.
+* On a node with more than 4 CPUs, from S3, those threads hand each range to one of
+  ``processes`` worker processes (``pipeline.install.pull_procs``), which land it the same
+  way with ``land_range``: one process's threads top out near two cores (the GIL). Ranges
+  in flight across all processes stay at most ``concurrency``; everything else (progress,
+  resume, whole-file checks, install) stays here.
 * A bad part (wrong bytes, short read) is fetched again, alone, up to ``PART_RETRIES`` times.
   The whole-file sha256 (the blob's name) is checked where it costs nothing extra (a file of
   one range, hashed in memory), and for every file with ``verify="full"``. Files whose ref has
@@ -38,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pipeline._files import FILE_MODE, sha256_file
 from pipeline._progress import ByteProgress, byte_progress
@@ -49,6 +54,9 @@ from pipeline.store.blobs import PART_SIZE, FileRef
 from pipeline.store.layout import blob_key
 from pipeline.store.releases import read_release_bytes, resolve_version
 
+if TYPE_CHECKING:
+    from pipeline.install.pull_procs import WorkerPool
+
 DEFAULT_PART = PART_SIZE  # bytes per ranged GET; rounded to whole manifest parts
 RETRIES = 6  # transport errors (throttling, 5xx, resets) per request
 PART_RETRIES = 3  # re-fetches of one part whose bytes do not match its digest
@@ -58,6 +66,10 @@ FILE_RETRIES = 2  # whole-file re-fetches of a file checked only whole
 # 8 keep a 2-CPU init container's network busy; 32 x 16 MiB = 512 MiB in flight is what an
 # init container's memory limit should hold, and already saturates more than 2 CPUs.
 MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
+# Processes: one process's threads top out near two cores (the GIL: botocore reading bodies,
+# the per-range Python work), which is right up to 4 CPUs; above that, one worker process
+# per CPU, at least 2 ranges each, at most 16 (see docs/pull.md for the measurements).
+SINGLE_PROCESS_CPUS, MAX_PROCESSES = 4, 16
 Verify = Literal["parts", "full"]
 
 
@@ -82,6 +94,14 @@ def default_concurrency(cpus: int | None = None) -> int:
     return max(MIN_CONCURRENCY, min(MAX_CONCURRENCY, THREADS_PER_CPU * cpus))
 
 
+def default_processes(cpus: int | None = None, concurrency: int | None = None) -> int:
+    cpus = available_cpus() if cpus is None else cpus
+    if cpus <= SINGLE_PROCESS_CPUS:
+        return 1
+    concurrency = concurrency or default_concurrency(cpus)
+    return max(1, min(cpus, concurrency // 2, MAX_PROCESSES))
+
+
 @dataclass(frozen=True)
 class PullResult:
     model: str
@@ -98,6 +118,9 @@ class PullResult:
     concurrency: int = 0
     part_size: int = 0
     verify: str = "parts"
+    processes: int = 1  # worker processes that landed ranges (1: this process's threads)
+    worker_peak_rss: int = 0  # the sum of the worker processes' peak resident sets
+    worker_parts: int = 0  # ranges landed (or found already there) by worker processes
 
     @property
     def throughput(self) -> float:
@@ -118,9 +141,16 @@ def pull_release(
     concurrency: int | None = None,
     part_size: int = DEFAULT_PART,
     verify: Verify = "parts",
+    processes: int | None = None,
 ) -> PullResult:
+    """Install a release; see the module docstring. ``processes`` (default: from the
+    available CPUs) above 1 lands ranges in worker processes, for S3 stores; a local store
+    is read by this process's threads (a file read and a hash release the GIL)."""
     start = time.monotonic()
     concurrency = concurrency or default_concurrency()
+    processes = processes or default_processes(concurrency=concurrency)
+    reopen = getattr(store, "reopen_kwargs", lambda: None)()
+    processes = max(1, min(processes, concurrency)) if reopen is not None else 1
     version = resolve_version(store, model, version, channel)
     manifest, raw = read_release_bytes(store, model, version)
     files = release_files(manifest)  # refuses paths that leave the release directory
@@ -129,7 +159,7 @@ def pull_release(
     total = sum(ref.size for _, ref in files)
     result = PullResult(
         model, version, final, len(files), 0, total, 0.0, True,
-        concurrency=concurrency, part_size=part_size, verify=verify,
+        concurrency=concurrency, part_size=part_size, verify=verify, processes=processes,
     )  # fmt: skip
     if (final / MANIFEST).is_file() and (final / MANIFEST).read_bytes() == raw:
         _point_current(model_dir, version)
@@ -137,9 +167,39 @@ def pull_release(
 
     staging = model_dir / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
+    pool = None
+    if processes > 1 and total:  # started now: they boot while the resume check runs
+        from pipeline.install.pull_procs import WorkerPool
+
+        pool = WorkerPool(reopen, processes, -(-concurrency // processes))
+    try:
+        return _pull_into(
+            store, staging, final, model_dir, files, raw, result, start, pool, part_size
+        )
+    finally:
+        if pool is not None:
+            pool.stop()
+
+
+def _pull_into(
+    store: Store,
+    staging: Path,
+    final: Path,
+    model_dir: Path,
+    files: list[tuple[str, FileRef]],
+    raw: bytes,
+    result: PullResult,
+    start: float,
+    pool: WorkerPool | None,
+    part_size: int,
+) -> PullResult:
+    model, version, concurrency, verify = (
+        result.model, result.version, result.concurrency, result.verify,
+    )  # fmt: skip
+    total = result.reused_bytes
     # Resume: files a killed pull finished are kept if they still verify (checked in parallel).
-    with ThreadPoolExecutor(concurrency) as pool:
-        kept = list(pool.map(lambda f: _verified(staging / f[0], f[1]), files))
+    with ThreadPoolExecutor(concurrency) as checks:
+        kept = list(checks.map(lambda f: _verified(staging / f[0], f[1]), files))
     # The same bytes under several paths (each bucket's weights.safetensors) download once.
     have: dict[str, Path] = {}
     fetching: set[str] = set()
@@ -154,7 +214,7 @@ def pull_release(
             fetch.append((target, ref))
             fetching.add(ref.sha256)
     reused = total - sum(ref.size for _, ref in fetch)
-    fetcher = _Fetcher(store, concurrency, part_size, verify)
+    fetcher = _Fetcher(store, concurrency, part_size, verify, pool)
     with byte_progress(f"pull {model} {version}", total) as progress:
         progress.advance(reused)
         fetcher.fetch_all(fetch, progress)
@@ -175,6 +235,8 @@ def pull_release(
         parts=fetcher.parts,
         refetched_parts=fetcher.refetched_parts,
         refetched_files=fetcher.refetched_files,
+        worker_peak_rss=pool.peak_rss if pool is not None else 0,
+        worker_parts=fetcher.by_workers,
     )
 
 
@@ -245,13 +307,22 @@ class _File:
 class _Fetcher:
     """A pool of threads taking ranges from one queue; see the module docstring."""
 
-    def __init__(self, store: Store, concurrency: int, part_size: int, verify: Verify) -> None:
+    def __init__(
+        self,
+        store: Store,
+        concurrency: int,
+        part_size: int,
+        verify: Verify,
+        pool: WorkerPool | None = None,
+    ) -> None:
         self.store = store
+        self.pool = pool  # worker processes that land the ranges; None: these threads do
         self.concurrency = max(1, concurrency)
         self.part_size = max(1 << 16, part_size)
         self.verify = verify
         self.downloaded = self.parts = self.refetched_parts = self.refetched_files = 0
         self.resumed = 0  # bytes of partial files a killed pull left, kept because they verify
+        self.by_workers = 0  # ranges landed by worker processes
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: queue.SimpleQueue[tuple[_File, int, int] | None] = queue.SimpleQueue()
@@ -322,50 +393,26 @@ class _Fetcher:
                     self._idle.notify_all()
 
     def _land(self, f: _File, start: int, length: int) -> None:
-        """Fetch one range, check it, write it at its offset; finish the file if it was last."""
+        """Land one range (here, or in a worker process); finish the file if it was last."""
         with f.lock, _local_write(f.tmp):
             if f.fd is None:
                 f.fd = os.open(f.tmp, os.O_RDWR) if f.resume else _preallocated(f.tmp, f.ref.size)
-        if f.resume and self._already_there(f, start, length):
-            with self._lock:
-                self.resumed += length
-            self._landed(f, length)
-            return
-        data = self._get(f.key, start, length)
-        got = len(data)
-        if f.ref.parts is not None:
-            got += self._write_parts(f, start, length, data)
-        elif len(f.ranges) == 1:  # the whole file in memory: check it now, for free
-            while len(data) != length or hashlib.sha256(data).hexdigest() != f.ref.sha256:
-                self._count_file_refetch(f, hashlib.sha256(data).hexdigest())
-                data = self._get(f.key, start, length)
-                got += len(data)
-            _pwrite(f, data, start)
-        else:  # checked whole once every range landed; a short range is bad already
-            tries = 0
-            while len(data) != length:
-                if tries == PART_RETRIES:
-                    raise self._short(f, start, length, len(data))
-                tries += 1
-                with self._lock:
-                    self.refetched_parts += 1
-                data = self._get(f.key, start, length)
-                got += len(data)
-            _pwrite(f, data, start)
+        whole = f.ref.parts is None and len(f.ranges) == 1
+        job = RangeJob(f.key, f.ref, str(f.tmp), start, length, whole, f.resume)
+        out = self.pool.call(job) if self.pool else None
+        by_worker = out is not None
+        if out is None:  # no worker processes, or none ready yet
+            out = land_range(self.store, job, f.fd)
         with self._lock:
-            self.downloaded += got
-            self.parts += 1
+            self.by_workers += by_worker
+            if out.resumed:
+                self.resumed += length
+            else:
+                self.downloaded += out.got
+                self.parts += 1
+            self.refetched_parts += out.refetched_parts
+            self.refetched_files += out.refetched_files
         self._landed(f, length)
-
-    def _already_there(self, f: _File, start: int, length: int) -> bool:
-        """Whether every part of the range is already on disk with the right digest."""
-        ref = f.ref
-        assert ref.parts is not None and ref.part_size is not None and f.fd is not None
-        for i in range(start // ref.part_size, -(-(start + length) // ref.part_size)):
-            off, n = ref.part_range(i)
-            if hashlib.sha256(os.pread(f.fd, n, off)).hexdigest() != ref.parts[i]:
-                return False
-        return True
 
     def _landed(self, f: _File, length: int) -> None:
         self.progress.advance(length)
@@ -374,31 +421,6 @@ class _Fetcher:
             last = f.left == 0
         if last:
             self._finish(f)
-
-    def _write_parts(self, f: _File, start: int, length: int, data: bytes) -> int:
-        """Check each manifest part in ``data``; re-fetch only the bad ones. Returns the bytes
-        re-fetched."""
-        ref, view, extra = f.ref, memoryview(data), 0
-        assert ref.parts is not None and ref.part_size is not None and f.fd is not None
-        for i in range(start // ref.part_size, -(-(start + length) // ref.part_size)):
-            off, n = ref.part_range(i)
-            part: bytes | memoryview = view[off - start : off - start + n]
-            tries = 0
-            while len(part) != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
-                if tries == PART_RETRIES:
-                    raise IntegrityError(
-                        f"{ref.path} ({f.key})",
-                        f"sha256 mismatch in part {i} (bytes {off}-{off + n - 1}) after "
-                        f"{PART_RETRIES} re-fetches",
-                        "the stored blob is corrupt; republish the release",
-                    )
-                tries += 1
-                with self._lock:
-                    self.refetched_parts += 1
-                part = self._get(f.key, off, n)
-                extra += len(part)
-            _pwrite(f, part, off)
-        return extra
 
     def _finish(self, f: _File) -> None:
         assert f.fd is not None
@@ -418,12 +440,7 @@ class _Fetcher:
 
     def _count_file_refetch(self, f: _File, digest: str) -> None:
         if f.attempts == FILE_RETRIES:
-            raise IntegrityError(
-                f"{f.ref.path} ({f.key})",
-                f"sha256 mismatch: got {digest[:12]}…, manifest says {f.ref.sha256[:12]}… "
-                f"after {FILE_RETRIES} whole-file re-fetches",
-                "the stored blob is corrupt; republish the release",
-            )
+            raise _file_mismatch(f.ref, f.key, digest)
         f.attempts += 1
         with self._lock:
             self.refetched_files += 1
@@ -434,16 +451,115 @@ class _Fetcher:
         f.tmp.write_bytes(b"")
         os.replace(f.tmp, f.target)
 
-    @staticmethod
-    def _short(f: _File, start: int, length: int, got: int) -> IntegrityError:
-        return IntegrityError(
-            f"{f.ref.path} ({f.key})",
-            f"short read at offset {start}: {got} of {length} bytes",
-            "the stored blob is truncated; republish the release",
-        )
 
-    def _get(self, key: str, start: int, length: int) -> bytes:
-        return with_retries(lambda: self.store.get_range(key, start, length))
+@dataclass(frozen=True)
+class RangeJob:
+    """One range to land: fetch it, check it, write it at its offset into ``tmp`` (a
+    preallocated temporary file). Picklable: a worker process may be the one to land it."""
+
+    key: str
+    ref: FileRef
+    tmp: str
+    start: int
+    length: int
+    whole: bool  # the file is this one range and has no part digests: check it whole
+    resume: bool  # keep the range if its parts already on disk match their digests
+
+
+@dataclass(frozen=True)
+class Landed:
+    """What landing a range took."""
+
+    got: int = 0  # bytes downloaded, re-fetches included
+    resumed: bool = False  # already on disk and verified: nothing downloaded
+    refetched_parts: int = 0
+    refetched_files: int = 0
+
+
+def land_range(store: Store, job: RangeJob, fd: int) -> Landed:
+    """Land ``job`` into ``fd``: each manifest part is checked against its sha256 before it
+    is written, and a bad one is fetched again, alone (up to ``PART_RETRIES`` times)."""
+    ref, key, start, length = job.ref, job.key, job.start, job.length
+    if job.resume and _already_there(fd, ref, start, length):
+        return Landed(resumed=True)
+    data = _get(store, key, start, length)
+    got, refetched_parts, refetched_files = len(data), 0, 0
+    if ref.parts is not None:
+        extra, refetched_parts = _write_parts(store, job, fd, data)
+        got += extra
+    elif job.whole:  # the whole file in memory: check it now, for free
+        while len(data) != length or (digest := hashlib.sha256(data).hexdigest()) != ref.sha256:
+            if refetched_files == FILE_RETRIES:
+                raise _file_mismatch(ref, key, digest if len(data) == length else "short")
+            refetched_files += 1
+            data = _get(store, key, start, length)
+            got += len(data)
+        _pwrite(job.tmp, fd, data, start)
+    else:  # checked whole once every range landed; a short range is bad already
+        while len(data) != length:
+            if refetched_parts == PART_RETRIES:
+                raise _short(ref, key, start, length, len(data))
+            refetched_parts += 1
+            data = _get(store, key, start, length)
+            got += len(data)
+        _pwrite(job.tmp, fd, data, start)
+    return Landed(got, False, refetched_parts, refetched_files)
+
+
+def _already_there(fd: int, ref: FileRef, start: int, length: int) -> bool:
+    """Whether every part of the range is already on disk with the right digest."""
+    assert ref.parts is not None and ref.part_size is not None
+    for i in range(start // ref.part_size, -(-(start + length) // ref.part_size)):
+        off, n = ref.part_range(i)
+        if hashlib.sha256(os.pread(fd, n, off)).hexdigest() != ref.parts[i]:
+            return False
+    return True
+
+
+def _write_parts(store: Store, job: RangeJob, fd: int, data: bytes) -> tuple[int, int]:
+    """Check each manifest part in ``data``; re-fetch only the bad ones. Returns the bytes
+    re-fetched and how many parts were."""
+    ref, start, view, extra, refetched = job.ref, job.start, memoryview(data), 0, 0
+    assert ref.parts is not None and ref.part_size is not None
+    for i in range(start // ref.part_size, -(-(start + job.length) // ref.part_size)):
+        off, n = ref.part_range(i)
+        part: bytes | memoryview = view[off - start : off - start + n]
+        tries = 0
+        while len(part) != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
+            if tries == PART_RETRIES:
+                raise IntegrityError(
+                    f"{ref.path} ({job.key})",
+                    f"sha256 mismatch in part {i} (bytes {off}-{off + n - 1}) after "
+                    f"{PART_RETRIES} re-fetches",
+                    "the stored blob is corrupt; republish the release",
+                )
+            tries += 1
+            refetched += 1
+            part = _get(store, job.key, off, n)
+            extra += len(part)
+        _pwrite(job.tmp, fd, part, off)
+    return extra, refetched
+
+
+def _file_mismatch(ref: FileRef, key: str, digest: str) -> IntegrityError:
+    return IntegrityError(
+        f"{ref.path} ({key})",
+        f"sha256 mismatch: got {digest[:12]}…, manifest says {ref.sha256[:12]}… "
+        f"after {FILE_RETRIES} whole-file re-fetches",
+        "the stored blob is corrupt; republish the release",
+    )
+
+
+def _short(ref: FileRef, key: str, start: int, length: int, got: int) -> IntegrityError:
+    return IntegrityError(
+        f"{ref.path} ({key})",
+        f"short read at offset {start}: {got} of {length} bytes",
+        "the stored blob is truncated; republish the release",
+    )
+
+
+def _get(store: Store, key: str, start: int, length: int) -> bytes:
+    return with_retries(lambda: store.get_range(key, start, length))
 
 
 @contextmanager
@@ -457,10 +573,9 @@ def _local_write(path: Path) -> Iterator[None]:
         ) from None
 
 
-def _pwrite(f: _File, data: bytes | memoryview, offset: int) -> None:
-    assert f.fd is not None
-    with _local_write(f.tmp):
-        os.pwrite(f.fd, data, offset)
+def _pwrite(path: str, fd: int, data: bytes | memoryview, offset: int) -> None:
+    with _local_write(Path(path)):
+        os.pwrite(fd, data, offset)
 
 
 def _preallocated(path: Path, size: int) -> int:
@@ -505,4 +620,14 @@ def with_retries(fn: Callable[[], bytes], attempts: int = RETRIES, base: float =
     raise AssertionError("unreachable")
 
 
-__all__ = ["PullResult", "available_cpus", "default_concurrency", "pull_release", "with_retries"]
+__all__ = [
+    "Landed",
+    "PullResult",
+    "RangeJob",
+    "available_cpus",
+    "default_concurrency",
+    "default_processes",
+    "land_range",
+    "pull_release",
+    "with_retries",
+]
