@@ -124,6 +124,8 @@ def test_neuron_contract_arguments_environment_and_outputs(
         "neuron_config.json",
         "config.json",
         *(f"checkpoint/weights/tp{r}_sharded_checkpoint.safetensors" for r in range(4)),
+        # the exporter saves the checkpoint's tokenizer beside the model, as upstream does
+        *(n for n in ("tokenizer.json", "tokenizer_config.json") if (model / n).is_file()),
     }
     assert entry.meta["log"]["path"] == "compile.log" and entry.meta["log"]["size"] > 0
     want = {"neuronx-cc": CC_VERSION, **VERSIONS}
