@@ -8,7 +8,6 @@ when, and from which version, with a short history for rollbacks.
 from __future__ import annotations
 
 import getpass
-import json
 import random
 import socket
 import time
@@ -24,7 +23,7 @@ from pipeline.errors import (
 )
 from pipeline.store.base import Store
 from pipeline.store.layout import channel_key, channels_prefix, release_key
-from pipeline.store.manifest import first_problem
+from pipeline.store.manifest import first_problem, json_object
 
 CHANNEL_SCHEMA = 1
 HISTORY = 20  # moves kept in the pointer file
@@ -67,12 +66,7 @@ def _parse(store: Store, model: str, channel: str, data: bytes) -> Channel:
     so no retry will find it any different (a pod restarting on it would loop forever)."""
     what = f"channel '{channel}' of model '{model}' ({store.url}/{channel_key(model, channel)})"
     hint = f"re-promote: 'inf2-pipeline promote {model} VERSION --channel {channel}'"
-    try:
-        raw = json.loads(data)
-    except ValueError as e:
-        raise ManifestError(what, f"not valid JSON ({e})", hint) from None
-    if not isinstance(raw, dict):
-        raise ManifestError(what, "not a JSON object", hint)
+    raw = json_object(data, what, hint)
     # Older or hand-written pointers hold only {"version": ...}.
     raw.setdefault("model", model)
     raw.setdefault("channel", channel)

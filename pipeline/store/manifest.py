@@ -84,12 +84,7 @@ def parse_manifest(data: bytes, what: str) -> Manifest:
     A newer schema is "upgrade inf2-pipeline"; any other defect is one ``ManifestError``
     line naming the first bad field. Both exit 2: no retry can fix a manifest.
     """
-    try:
-        raw = json.loads(data)
-    except ValueError as e:
-        raise ManifestError(what, f"not valid JSON ({e})", REPUBLISH) from None
-    if not isinstance(raw, dict):
-        raise ManifestError(what, "not a JSON object", REPUBLISH)
+    raw = json_object(data, what, REPUBLISH)
     schema = raw.get("schema_version")
     if isinstance(schema, int) and schema > MANIFEST_SCHEMA:
         raise RuntimeMismatchError(
@@ -104,6 +99,17 @@ def parse_manifest(data: bytes, what: str) -> Manifest:
 
 
 REPUBLISH = "the manifest is malformed; republish the release"
+
+
+def json_object(data: bytes, what: str, hint: str) -> dict[str, Any]:
+    """Stored pointer or manifest bytes as a JSON object; else one ``ManifestError`` line."""
+    try:
+        raw = json.loads(data)
+    except ValueError as e:
+        raise ManifestError(what, f"not valid JSON ({e})", hint) from None
+    if not isinstance(raw, dict):
+        raise ManifestError(what, "not a JSON object", hint)
+    return raw
 
 
 def first_problem(e: ValidationError) -> str:
