@@ -310,7 +310,20 @@ def test_default_concurrency_suits_small_and_large_nodes():
     assert default_concurrency(1) == default_concurrency(2) == 8
     assert default_concurrency(4) == 16
     assert default_concurrency(192) == 32
-    assert 1 <= available_cpus() <= (os.cpu_count() or 1)
+
+
+def test_available_cpus_follows_the_cgroup_limit(tmp_path, monkeypatch):
+    import pipeline.install.pull as pull_mod
+
+    affinity = len(os.sched_getaffinity(0))
+    limit = tmp_path / "cpu.max"
+    monkeypatch.setattr(pull_mod, "CGROUP_CPU_MAX", limit)
+    limit.write_text("max 100000\n")  # no limit: the affinity mask decides
+    assert available_cpus() == affinity
+    limit.write_text("150000 100000\n")  # 1.5 CPUs: rounds up to 2, never above affinity
+    assert available_cpus() == min(affinity, 2)
+    limit.write_text("10000 100000\n")  # a tenth of a CPU still counts as one
+    assert available_cpus() == 1
 
 
 # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over from the forked parent (a

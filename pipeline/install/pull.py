@@ -73,6 +73,9 @@ SINGLE_PROCESS_CPUS, MAX_PROCESSES = 4, 16
 Verify = Literal["parts", "full"]
 
 
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+
+
 def available_cpus() -> int:
     """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU limit (a
     container on a 192-vCPU node with a 2-CPU limit gets 2, not 192)."""
@@ -81,7 +84,7 @@ def available_cpus() -> int:
     except AttributeError:  # not Linux
         n = os.cpu_count() or 1
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
         if quota != "max":
             n = min(n, max(1, math.ceil(int(quota) / int(period))))
     except (OSError, ValueError):
