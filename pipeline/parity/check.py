@@ -297,18 +297,32 @@ def _check_bucket(
                 agree += tie == "exact"
                 near += tie == "near-tie"
             out.rows += len(prompts)
-        free = run.generate(prompts, steps + 1, None)
-        for row, tokens_ in enumerate(free):
-            verdict = _greedy_verdict(tokens_, expected[row], tol)
-            exact += verdict == "exact"
-            out.greedy_near_ties += verdict == "near-tie"
-            out.greedy_decisive += verdict == "decisive"
-        out.prompts += len(prompts)
+        exact += _tally_greedy(out, run, prompts, expected, steps, tol)
     out.top1 = agree / out.rows
     out.top1_near_ties = near
     out.greedy_exact = exact / out.prompts
     out.failures = _failures(out, tol)
     return out
+
+
+def _tally_greedy(
+    out: BucketParity,
+    run: BucketRunner,
+    prompts: list[list[int]],
+    expected: list[tuple[list[int], Any]],
+    steps: int,
+    tol: Tolerance,
+) -> int:
+    """Free-running greedy tokens of ``prompts`` against the reference's, counted into
+    ``out``; returns how many were exact."""
+    exact = 0
+    for row, tokens in enumerate(run.generate(prompts, steps + 1, None)):
+        verdict = _greedy_verdict(tokens, expected[row], tol)
+        exact += verdict == "exact"
+        out.greedy_near_ties += verdict == "near-tie"
+        out.greedy_decisive += verdict == "decisive"
+    out.prompts += len(prompts)
+    return exact
 
 
 def _check_bucket_tokens(
@@ -321,12 +335,7 @@ def _check_bucket_tokens(
     exact = 0
     for prompts in make_prompts(name, run.batch, run.seq, steps + 1, ref.vocab, seed):
         expected = [ref.greedy(p, steps) for p in prompts]
-        for row, tokens in enumerate(run.generate(prompts, steps + 1, None)):
-            verdict = _greedy_verdict(tokens, expected[row], tol)
-            exact += verdict == "exact"
-            out.greedy_near_ties += verdict == "near-tie"
-            out.greedy_decisive += verdict == "decisive"
-        out.prompts += len(prompts)
+        exact += _tally_greedy(out, run, prompts, expected, steps, tol)
     out.greedy_exact = exact / out.prompts
     out.failures = _failures(out, tol)
     return out
