@@ -51,8 +51,8 @@ def _same_as_published(root: Path, store, manifest) -> None:
 
 def test_default_processes_keep_small_nodes_in_one_process():
     assert [default_processes(c) for c in (1, 2, 4)] == [1, 1, 1]
-    assert default_processes(16) == 16  # 32 ranges in flight: 2 per process
-    assert default_processes(192) == 16
+    assert default_processes(16) == 8  # 32 ranges in flight: 4 per process
+    assert default_processes(192) == 8
     assert default_processes(8, concurrency=8) == 4
 
 

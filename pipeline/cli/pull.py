@@ -43,7 +43,7 @@ def pull(
             min=1,
             max=64,
             help="Worker processes landing ranges from S3 (default: 1 up to 4 available "
-            "CPUs, else one per CPU, at most concurrency / 2 and 16).",
+            "CPUs, else one per CPU, at most concurrency / 2 and 8).",
             show_default=False,
         ),
     ] = None,

@@ -69,7 +69,10 @@ MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
 # Processes: one process's threads top out near two cores (the GIL: botocore reading bodies,
 # the per-range Python work), which is right up to 4 CPUs; above that, one worker process
 # per CPU, at least 2 ranges each, at most 16 (see docs/pull.md for the measurements).
-SINGLE_PROCESS_CPUS, MAX_PROCESSES = 4, 16
+# At most 8 worker processes: on 16 cores, 8 processes × 4 threads pulled 2.11-2.43 GB/s,
+# against 1.69-1.77 GB/s for 16 × 2 and 1.91-2.06 GB/s for 6, with less memory than 16
+# (bench/RESULTS.md, 2026-12-01).
+SINGLE_PROCESS_CPUS, MAX_PROCESSES = 4, 8
 Verify = Literal["parts", "full"]
 
 
