@@ -100,3 +100,11 @@ class FaultProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 
         return Handler
+
+
+def ranged_get_of(key: str, offset: int):
+    """A fault selector: the ranged GET of blob ``key`` that starts at ``offset``."""
+    return lambda method, path, headers: (
+        method == "GET" and path.split("?")[0].endswith(key)
+        and (headers.get("Range") or "").startswith(f"bytes={offset}-")
+    )  # fmt: skip

@@ -33,7 +33,7 @@ from pipeline.store.blobs import FileRef, file_ref, hash_file
 from pipeline.store.layout import blob_key, release_key
 from pipeline.store.manifest import MANIFEST_SCHEMA, parse_manifest
 from pipeline.store.publish import publish
-from tests.fault_proxy import FaultProxy
+from tests.fault_proxy import FaultProxy, ranged_get_of
 from tests.release_factory import make_release
 
 runner = CliRunner()
@@ -150,13 +150,6 @@ def _through_proxy(monkeypatch, s3_env: str, store_url: str, corrupt, times=1):
     return proxy, open_store(store_url)
 
 
-def _ranged_get_of(key: str, offset: int):
-    return lambda method, path, headers: (
-        method == "GET" and path.split("?")[0].endswith(key)
-        and (headers.get("Range") or "").startswith(f"bytes={offset}-")
-    )  # fmt: skip
-
-
 @pytest.mark.s3
 def test_a_range_corrupted_once_is_refetched_alone_and_reported(
     s3_store_url, s3_env, tmp_path, monkeypatch
@@ -165,7 +158,7 @@ def test_a_range_corrupted_once_is_refetched_alone_and_reported(
     m = make_release(open_store(s3_store_url), tmp_path, buckets={"b1_s32": {"w.bin": data}},
                      part_size=PART)  # fmt: skip
     key = blob_key(m.buckets["b1_s32"].files[0].sha256)
-    proxy, _ = _through_proxy(monkeypatch, s3_env, s3_store_url, _ranged_get_of(key, 8 * PART))
+    proxy, _ = _through_proxy(monkeypatch, s3_env, s3_store_url, ranged_get_of(key, 8 * PART))
     dest = tmp_path / "d"
     with proxy:
         r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(dest), "--store",
@@ -179,7 +172,7 @@ def test_a_range_corrupted_once_is_refetched_alone_and_reported(
     assert out["throughput"] > 0 and out["seconds"] > 0
     assert (dest / "m/current/buckets/b1_s32/w.bin").read_bytes() == data
     # The plain summary says it too.
-    with FaultProxy(s3_env, _ranged_get_of(key, 0)) as proxy2:
+    with FaultProxy(s3_env, ranged_get_of(key, 0)) as proxy2:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy2.url)
         r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "e"),
                                 "--store", s3_store_url, "--part-size", "64KiB"])  # fmt: skip
@@ -196,7 +189,7 @@ def test_schema_1_file_corrupted_once_is_refetched_whole(
     m = make_release(open_store(s3_store_url), tmp_path, buckets={"b1_s32": {"w.bin": data}},
                      part_size=None, schema=1)  # fmt: skip
     key = blob_key(m.buckets["b1_s32"].files[0].sha256)
-    proxy, store = _through_proxy(monkeypatch, s3_env, s3_store_url, _ranged_get_of(key, 2 * PART))
+    proxy, store = _through_proxy(monkeypatch, s3_env, s3_store_url, ranged_get_of(key, 2 * PART))
     with proxy:
         r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
     assert len(proxy.hits) == 1
@@ -217,7 +210,7 @@ def test_persistent_corruption_fails_with_exit_1_after_bounded_refetches(
     before = {p: p.read_bytes() for p in (dest / "m/v1").rglob("*") if p.is_file()}
     key = blob_key(m2.buckets["b1_s32"].files[0].sha256)
     proxy, _ = _through_proxy(
-        monkeypatch, s3_env, s3_store_url, _ranged_get_of(key, 3 * PART), times=None
+        monkeypatch, s3_env, s3_store_url, ranged_get_of(key, 3 * PART), times=None
     )
     with proxy:
         r = runner.invoke(app, ["pull", "m", "--version", "v2", "--dest", str(dest), "--store",

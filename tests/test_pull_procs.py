@@ -20,7 +20,7 @@ from pipeline.install import pull_procs
 from pipeline.install.pull import default_processes, pull_release
 from pipeline.store import open_store
 from pipeline.store.layout import blob_key
-from tests.fault_proxy import FaultProxy
+from tests.fault_proxy import FaultProxy, ranged_get_of
 from tests.proc_helpers import alive
 from tests.release_factory import make_release
 
@@ -94,13 +94,6 @@ def test_a_local_store_stays_in_process(tmp_path):
     _same_as_published(r.path, store, m)
 
 
-def _ranged_get_of(key: str, offset: int):
-    return lambda method, path, headers: (
-        method == "GET" and path.split("?")[0].endswith(key)
-        and (headers.get("Range") or "").startswith(f"bytes={offset}-")
-    )  # fmt: skip
-
-
 @pytest.mark.s3
 def test_a_corrupted_part_is_refetched_alone_by_a_worker(
     s3_store_url, s3_env, tmp_path, monkeypatch, workers_only
@@ -108,7 +101,7 @@ def test_a_corrupted_part_is_refetched_alone_by_a_worker(
     store = open_store(s3_store_url)
     m = _release(store, tmp_path)
     big = next(f for f in m.buckets["b1_s32"].files if f.path == "big.bin")
-    with FaultProxy(s3_env, _ranged_get_of(blob_key(big.sha256), 4 * PART)) as proxy:
+    with FaultProxy(s3_env, ranged_get_of(blob_key(big.sha256), 4 * PART)) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         r = pull_release(open_store(s3_store_url), "m", tmp_path / "d", version="v1",
                          part_size=2 * PART, concurrency=4, processes=2)  # fmt: skip
@@ -125,7 +118,7 @@ def test_persistent_corruption_in_a_worker_is_one_line_and_exit_1(
     store = open_store(s3_store_url)
     m = _release(store, tmp_path)
     big = next(f for f in m.buckets["b1_s32"].files if f.path == "big.bin")
-    with FaultProxy(s3_env, _ranged_get_of(blob_key(big.sha256), 4 * PART), times=None) as p:
+    with FaultProxy(s3_env, ranged_get_of(blob_key(big.sha256), 4 * PART), times=None) as p:
         monkeypatch.setenv("AWS_ENDPOINT_URL", p.url)
         r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "d"),
                                 "--store", s3_store_url, "--processes", "2",

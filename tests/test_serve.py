@@ -203,6 +203,21 @@ def test_metrics_counters_move(server, client):
     assert metric(after, "inf2_serve_ready") == 1
 
 
+def _wait_for_one_disconnect(server, before: str) -> str:
+    """Poll /metrics (60 s at most) until one more request counts as disconnected and none
+    is in flight; the metrics text then."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = get(server.url + "/metrics")[1]
+        gone = metric(now, "inf2_serve_requests_total", outcome="disconnected") - metric(
+            before, "inf2_serve_requests_total", outcome="disconnected"
+        )
+        if gone == 1 and metric(now, "inf2_serve_in_flight") == 0:
+            return now
+        time.sleep(0.05)
+    pytest.fail(f"the disconnect was not seen:\n{now}")
+
+
 def test_client_disconnect_frees_its_slot(server, client):
     """A client that leaves while its request waits to be batched: the request leaves the
     queue (50 ms of batching wait here) and is counted, and nothing stays in flight."""
@@ -215,17 +230,7 @@ def test_client_disconnect_frees_its_slot(server, client):
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        now = get(server.url + "/metrics")[1]
-        gone = metric(now, "inf2_serve_requests_total", outcome="disconnected") - metric(
-            before, "inf2_serve_requests_total", outcome="disconnected"
-        )
-        if gone == 1 and metric(now, "inf2_serve_in_flight") == 0:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"the disconnect was not seen:\n{now}")
+    now = _wait_for_one_disconnect(server, before)
     assert metric(now, "inf2_serve_queue_depth") == 0
     # the slot is free: the server still answers
     assert client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3).choices
@@ -243,17 +248,7 @@ def test_streaming_client_that_leaves_frees_its_row(server, client):
             + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
         )
         assert s.recv(12) == b"HTTP/1.1 200"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        now = get(server.url + "/metrics")[1]
-        gone = metric(now, "inf2_serve_requests_total", outcome="disconnected") - metric(
-            before, "inf2_serve_requests_total", outcome="disconnected"
-        )
-        if gone == 1 and metric(now, "inf2_serve_in_flight") == 0:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"the disconnect was not seen:\n{now}")
+    _wait_for_one_disconnect(server, before)
     assert client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3).choices
 
 
