@@ -89,7 +89,10 @@ def test_corrupted_blob_fails_and_leaves_previous_install(store, tmp_path):
     before = _installed_bytes(dest / "m" / "v1", None)
     victim = m2.buckets["b1_s32"].files[0]
     key = blob_key(victim.sha256)
-    store.put_bytes(key, b"X" + store.get_bytes(key)[1:])  # same size, different bytes
+    data = store.get_bytes(key)
+    # same size, different bytes: the first byte flipped (a fixed b"X" would leave a random
+    # blob that already starts with X unchanged, one run in 256)
+    store.put_bytes(key, bytes([data[0] ^ 0xFF]) + data[1:])
     with pytest.raises(IntegrityError, match="sha256 mismatch"):
         pull_release(store, "m", dest, version="v2")
     assert os.readlink(dest / "m" / "current") == "v1"
