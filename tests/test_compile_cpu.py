@@ -58,7 +58,9 @@ def check_against_hf(prefill, decode, hf, seqs, seq_len, cache, device="cpu"):
         positions = torch.tensor([len(s) for s in seqs])
         for s, t in zip(seqs, nxt.tolist(), strict=True):
             s.append(t)
-        logits, nxt = decode(nxt[:, None].to(device), positions.to(device), *cache)
+        # attend the tightest prefix: a new length every step, one compiled graph
+        keys = torch.arange(int(positions.max()) + 1, device=device)
+        logits, nxt = decode(nxt[:, None].to(device), positions.to(device), *cache, keys)
     assert worst <= ATOL, worst
     return worst
 
@@ -222,3 +224,33 @@ def test_fused_projections_round_trip_and_keep_row_order(tmp_path):
     partial = {k: v for k, v in hf.items() if "k_proj" not in k}
     left = dec.fuse_checkpoint(partial)
     assert pre + "self_attn.q_proj.weight" in left and pre + "mlp.gate_up_proj.weight" in left
+
+
+@pytest.mark.slow
+def test_decode_attends_the_whole_bucket_when_its_length_cannot_be_dynamic(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
+    """Where export cannot make the attended length dynamic (on cuda, fp32 attention falls
+    back to kernels that fix it), decode is exported for the whole bucket, graph.json says
+    so, and a session then attends all S positions."""
+    from torch._dynamo.exc import UserError, UserErrorType
+
+    from pipeline.compile.backends.aoti import CpuBackend
+    from pipeline.compile.backends.base import BucketJob
+    from pipeline.plan.buckets import Bucket
+
+    real = torch.export.export
+
+    def export(module, args, *, dynamic_shapes=None, strict=True):
+        if dynamic_shapes is not None:
+            raise UserError(UserErrorType.CONSTRAINT_VIOLATION, "Constraints violated (attended)!")
+        return real(module, args, strict=strict)
+
+    monkeypatch.setattr(torch.export, "export", export)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = BucketJob(tiny_checkpoint, Bucket(1, 16), 1, {}, "float32", (), "fp32", out)
+    CpuBackend().compile(job)
+    spec = GraphSpec.read(out)
+    assert not spec.attend_prefix and spec.key_tiers == (16,)
+    assert GraphSpec(1, 2048, 2, 2, 8, 512, "float32", "cpu").key_tiers[:2] == (64, 128)

@@ -139,6 +139,65 @@ def test_generate_fills_the_bucket_to_its_last_position(demo_buckets):
     assert got == torch.stack(want, 1).tolist()
 
 
+def test_key_tiers_double_from_the_smallest_up_to_the_bucket():
+    from pipeline.runtime.graph_abi import key_tiers
+
+    assert key_tiers(2048) == (64, 128, 256, 512, 1024, 2048)
+    assert key_tiers(100) == (64, 100)
+    assert key_tiers(64) == (64,)
+    assert key_tiers(16) == (16,)
+    assert key_tiers(64, smallest=16) == (16, 32, 64)
+
+
+def test_decode_reads_only_the_key_positions_it_is_given(demo_buckets):
+    """The compiled decode graph attends the first len(key_positions) cache positions: a
+    prefix that holds every position gives the full bucket's logits; one that cuts the
+    prompt off gives others (so the bound is real, not ignored)."""
+    from pipeline.runtime.graph_abi import BucketGraphs
+
+    graphs = BucketGraphs(demo_buckets / "b2_s64")
+    tokens = torch.randint(3, 300, (2, 64), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([20, 9])
+
+    def decode(n: int) -> torch.Tensor:
+        k, v = graphs.new_cache()
+        graphs.prefill(tokens, lengths, k, v)
+        step = torch.tensor([[11], [12]])
+        return graphs.decode(step, lengths, k, v, torch.arange(n))[0]
+
+    full = decode(64)
+    torch.testing.assert_close(decode(21), full, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decode(32), full, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(decode(8), full, rtol=1e-3, atol=1e-3)
+
+
+def test_generate_moves_up_the_tiers_as_the_cache_fills(demo_buckets):
+    """Each step attends the shortest tier holding every position so far; crossing tiers
+    (16 → 32 → 64) changes no token, recorded (one graph per tier on shared inputs) or not."""
+    from pipeline.runtime.decode_session import DecodeSession
+    from pipeline.runtime.graph_abi import BucketGraphs
+
+    graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
+    attended: list[int] = []
+    decode = graphs.decode
+
+    def spy(tokens, positions, k, v, keys):
+        attended.append(keys.shape[0])
+        return decode(tokens, positions, k, v, keys)
+
+    graphs.decode = spy
+    prompts = [list(range(3, 13)), [7, 8, 9]]  # longest: 10 tokens
+    want = DecodeSession(graphs, tiers=(64,)).generate(prompts, 40, None)
+    for recorder in (None, ReplayRecorder()):
+        session = DecodeSession(graphs, tiers=(16, 32, 64), recorder=recorder)
+        attended.clear()
+        assert session.generate(prompts, 40, None) == want
+        # step k (1..39) attends 10 + k positions
+        assert attended == [16] * 6 + [32] * 16 + [64] * 17
+    with pytest.raises(ValueError, match="must rise to the bucket length 64"):
+        DecodeSession(graphs, tiers=(16, 32))
+
+
 # --- on an NVIDIA GPU -----------------------------------------------------------------------
 
 

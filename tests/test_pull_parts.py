@@ -236,7 +236,7 @@ def test_schema_1_manifests_still_pull_verified_whole(store, tmp_path):
     assert r.parts == 4 + 1 + 1 and r.refetched_files == 0
     # corrupt in the store (same size): whole-file check, bounded whole re-fetches, then fail
     key = blob_key(m.buckets["b1_s32"].files[0].sha256)
-    store.put_bytes(key, data[:PART] + b"\0" + data[PART + 1 :])
+    store.put_bytes(key, data[:PART] + bytes([data[PART] ^ 0xFF]) + data[PART + 1 :])  # flipped
     calls = []
     real = store.get_range
     store.get_range = lambda k, s, n: (calls.append(k) if k == key else None) or real(k, s, n)

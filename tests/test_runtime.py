@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from pipeline.errors import InputError, IntegrityError, RuntimeMismatchError
 from pipeline.plan.buckets import Bucket, select_bucket
+from pipeline.runtime.graph_abi import ABI_VERSION
 
 GRID = [Bucket(b, s) for b in (1, 4, 8) for s in (128, 512, 2048)]
 
@@ -121,8 +122,11 @@ def test_load_refuses_what_it_cannot_run(installed, tmp_path):
         BucketedModel.load(copy, backend="cuda")
     graph = sorted(copy.glob("buckets/*/graph.json"))[0]
     text = graph.read_text()
-    graph.write_text(text.replace('"abi": 2', '"abi": 1'))  # same size: passes the file check
-    with pytest.raises(RuntimeMismatchError, match="ABI 1; this inf2-pipeline runs ABI 2"):
+    old = f'"abi": {ABI_VERSION - 1}'
+    assert f'"abi": {ABI_VERSION}' in text
+    graph.write_text(text.replace(f'"abi": {ABI_VERSION}', old))  # same size: passes the size check
+    want = f"ABI {ABI_VERSION - 1}; this inf2-pipeline runs ABI {ABI_VERSION}"
+    with pytest.raises(RuntimeMismatchError, match=want):
         BucketedModel.load(copy)
     graph.write_text(text)
     next(copy.glob("buckets/*/decode.pt2")).write_bytes(b"truncated")

@@ -20,7 +20,7 @@ prefill, 1 for decode), L layers, H query heads, KV key/value heads, D head dim.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,17 @@ from torch import Tensor, nn
 
 from pipeline.errors import UnsupportedArchitectureError
 from pipeline.plan.checkpoint import ARCHITECTURES
+
+
+class Caches(NamedTuple):
+    """What one layer's attention needs of the caches: both whole (written in place with one
+    index_put each, see ``write_cache``), its layer, and the positions it reads."""
+
+    k: Tensor  # [L, S, B, KV, D]
+    v: Tensor
+    layer: int
+    keys: Tensor  # [S'] cache positions attended, 0..S'-1
+
 
 # Rope types whose frequencies change with the sequence length at run time.
 DYNAMIC_ROPE = {"dynamic", "longrope"}
@@ -56,19 +67,18 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=qkv_bias(cfg))
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor
-    ) -> Tensor:
-        # x: [B, T, hidden]; cos/sin: [B, T, D]; pos: [B, T]; caches: [B, KV, S, D]
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches) -> Tensor:
+        # x: [B, T, hidden]; cos/sin: [B, T, D]; pos: [B, T]
         b, t, _ = x.shape
+        k_cache, v_cache, layer, keys = caches
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        write_cache(k_cache, k, pos)
-        write_cache(v_cache, v, pos)
-        y = attend(q, k_cache, v_cache, pos, self.window)
+        write_cache(k_cache, layer, k, pos)
+        write_cache(v_cache, layer, v, pos)
+        y = attend(q, k_cache[layer], v_cache[layer], pos, keys, self.window)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
@@ -91,8 +101,8 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, kc: Tensor, vc: Tensor):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, kc, vc)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, caches)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -121,15 +131,18 @@ class Decoder(nn.Module):
         inv_freq, self.rope_scale = rope_frequencies(cfg)
         self.register_buffer("rope_inv_freq", inv_freq)
 
-    def hidden(self, tokens: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        # tokens, pos: [B, T]; caches: [L, B, KV, S, D], updated in place
+    def hidden(
+        self, tokens: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, keys: Tensor
+    ) -> Tensor:
+        # tokens, pos: [B, T]; caches: [L, S, B, KV, D], updated in place; keys: [S'] the
+        # cache positions attention reads, 0..S'-1 (S' ≤ S)
         x = self.model.embed_tokens(tokens)
         freqs = pos[..., None].float() * self.rope_inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scale).to(x.dtype)
         sin = (emb.sin() * self.rope_scale).to(x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, pos, k_cache[i], v_cache[i])
+            x = layer(x, cos, sin, pos, Caches(k_cache, v_cache, i, keys))
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -144,18 +157,29 @@ class Prefill(Decoder):
         # tokens: [B, S]; lengths: [B] real tokens per row (≥ 1)
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).expand(b, s)
-        hidden = self.hidden(tokens, pos, k_cache, v_cache)
+        hidden = self.hidden(tokens, pos, k_cache, v_cache, pos[0])
         last = hidden[torch.arange(b, device=tokens.device), lengths - 1]  # [B, hidden]
         return greedy(self.logits(last))
 
 
 class Decode(Decoder):
     """Decode graph: one new token per sequence at its position; that token's logits and the
-    greedy next token."""
+    greedy next token.
 
-    def forward(self, tokens: Tensor, positions: Tensor, k_cache: Tensor, v_cache: Tensor):
+    ``key_positions`` ([S'], 0..S'-1, S' > every position) bounds what attention reads: the
+    first S' cache positions, not the whole bucket. Its length is a dynamic dimension of the
+    compiled graph, so one package serves every filled length (``graph_abi.key_tiers``)."""
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        key_positions: Tensor,
+    ):
         # tokens: [B, 1]; positions: [B], where this token goes in the cache
-        hidden = self.hidden(tokens, positions[:, None], k_cache, v_cache)
+        hidden = self.hidden(tokens, positions[:, None], k_cache, v_cache, key_positions)
         return greedy(self.logits(hidden[:, 0]))
 
 
@@ -172,21 +196,36 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def write_cache(cache: Tensor, new: Tensor, pos: Tensor) -> None:
-    # cache: [B, KV, S, D]; new: [B, KV, T, D]; pos: [B, T]
-    b, kv, t, d = new.shape
-    index = pos[:, None, :, None].expand(b, kv, t, d)
-    cache.scatter_(2, index, new)
+def write_cache(cache: Tensor, layer: int, new: Tensor, pos: Tensor) -> None:
+    """Write ``new`` at ``pos`` into layer ``layer`` of ``cache``, in place.
+
+    One index_put on the whole [L, S, B, KV, D] cache, not a scatter into the layer's view:
+    compiled, a write through a view of a graph input became a copy of the whole cache per
+    layer and step (on an H200 at batch 32, 1.5 ms of a 2.9 ms Llama-3.2-1B decode step;
+    bench/profile_cuda_decode.py), while an index_put on the input itself stays in place."""
+    # cache: [L, S, B, KV, D]; new: [B, KV, T, D]; pos: [B, T]
+    b, kv = new.shape[:2]
+    at = torch.full((1, 1, 1), layer, dtype=torch.long, device=pos.device)
+    rows = torch.arange(b, device=pos.device)[:, None, None]
+    heads = torch.arange(kv, device=pos.device)[None, :, None]
+    cache.index_put_((at, pos[:, None, :], rows, heads), new)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: int | None) -> Tensor:
-    # q: [B, H, T, D]; k, v: [B, KV, S, D]; pos: [B, T] -> [B, H, T, D]
+def attend(
+    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, keys: Tensor, window: int | None
+) -> Tensor:
+    # q: [B, H, T, D]; k, v: [S, B, KV, D] (one layer); pos: [B, T]; keys: [S'] -> [B, H, T, D]
+    # Only the first S' positions are read: decode cost follows the filled length, not the
+    # bucket's. The cache is position-major so that this prefix is a dense block for any S'
+    # (a slice of an inner dimension would make export specialise S' to the bucket length).
     # One fused attention kernel; enable_gqa maps query head j to KV head j // (H/KV)
-    # without copying the cache.
-    key_pos = torch.arange(k.shape[2], device=q.device)
-    visible = key_pos <= pos[..., None]  # causal: [B, T, S]
+    # without copying the cache (measured faster than folding the heads into the query
+    # length, by hand or through SDPA: bench/profile_cuda_decode.py).
+    n = keys.shape[0]
+    k, v = k[:n].permute(1, 2, 0, 3), v[:n].permute(1, 2, 0, 3)  # [B, KV, S', D]
+    visible = keys <= pos[..., None]  # causal: [B, T, S']
     if window is not None:
-        visible = visible & (key_pos > pos[..., None] - window)
+        visible = visible & (keys > pos[..., None] - window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=True)
 
 

@@ -24,7 +24,7 @@ from pipeline.plan.config import Release
 from pipeline.plan.report import release_gqa_plan
 
 # Bump when what a backend writes for the same inputs changes (graph ABI, file layout).
-FORMAT_VERSION = 3  # 3: graphs and prepared weights cached apart
+FORMAT_VERSION = 4  # 3: graphs and prepared weights cached apart; 4: graph ABI 3
 # Files that hold weights, in every layout transformers writes.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 

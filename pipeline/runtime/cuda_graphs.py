@@ -60,10 +60,15 @@ class StaticGraph:
         *,
         recorder: Recorder | None = None,
         warmup: int = WARMUP_CALLS,
+        inputs: Sequence[Tensor] | None = None,
     ) -> None:
+        """``inputs``: the input tensors of another ``StaticGraph`` to record on as well, so
+        graphs of one step at several sizes share their state (no copies to switch)."""
         # Zeroed copies of ``like``'s shapes: the only tensors the graph reads its inputs from.
-        self.inputs = tuple(
-            torch.zeros_like(t, memory_format=torch.contiguous_format) for t in like
+        self.inputs = (
+            tuple(inputs)
+            if inputs is not None
+            else tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in like)
         )
         self.fixed = tuple(fixed)  # referenced, so the captured addresses stay valid
         record = recorder or cuda_recorder

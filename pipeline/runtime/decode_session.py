@@ -8,11 +8,16 @@ that feed it its own output: the next token becomes the input, positions advance
 the token is written at its position into ``generated``, a [B, S+1] buffer of the session. So
 generating N tokens is N calls of one step with no host work in between.
 
-On cuda that step is recorded as a CUDA graph (``pipeline.runtime.cuda_graphs``) when the session is
-made: the caches are allocated here and captured by address before any prefill has filled
-them, so the capture's warmup calls can only overwrite zeros. Each token is then one replay,
-with no copy in or out. Prefill stays an ordinary call (compute-bound, once per request).
-CPU sessions run the same step eagerly.
+A step attends only the first S' cache positions, S' the shortest of ``spec.key_tiers`` that
+holds every position so far (the host knows it: the longest prompt plus the steps taken), so
+decode in a long bucket costs what the filled length costs.
+
+On cuda that step is recorded as a CUDA graph (``pipeline.runtime.cuda_graphs``), one per
+tier, all on the same input tensors, when the session is made: the caches are allocated here
+and captured by address before any prefill has filled them, so the capture's warmup calls can
+only overwrite zeros. Each token is then one replay, with no copy in or out; crossing a tier
+switches graphs, also with no copy. Prefill stays an ordinary call (compute-bound, once per
+request). CPU sessions run the same step eagerly.
 
 The loop syncs with the host only every ``EOS_CHECK_EVERY`` steps to see whether every row
 has stopped, so the host queues replays ahead of the GPU instead of waiting on each token.
@@ -44,8 +49,10 @@ class DecodeSession:
         *,
         cuda_graphs: bool = True,
         recorder: Recorder | None = None,
+        tiers: tuple[int, ...] | None = None,
     ) -> None:
-        """``recorder`` overrides how the decode step is recorded (tests record on CPU)."""
+        """``recorder`` overrides how the decode step is recorded (tests record on CPU);
+        ``tiers`` the attended lengths (default ``spec.key_tiers``; the last must be seq)."""
         self.graphs = graphs
         self.spec = graphs.spec
         self.device = torch.device(graphs.device)
@@ -54,7 +61,11 @@ class DecodeSession:
         # generated[r, p]: the token this session produced for position p of row r (p = S
         # too: the last token of a full bucket needs no cache slot, only a place here)
         self.generated = torch.zeros((b, s + 1), dtype=torch.int64, device=dev)
-        self._step: StaticGraph | None = None
+        self.tiers = tiers or self.spec.key_tiers
+        if self.tiers[-1] != s or list(self.tiers) != sorted(set(self.tiers)):
+            raise ValueError(f"tiers {self.tiers} must rise to the bucket length {s}")
+        self._keys = {n: torch.arange(n, device=dev) for n in self.tiers}
+        self._steps: dict[int, StaticGraph] = {}
         if recorder is not None or (cuda_graphs and self.device.type == "cuda"):
             if recorder is None and not graphs.single_threaded:
                 raise ValueError(
@@ -64,8 +75,11 @@ class DecodeSession:
                 torch.zeros((b, 1), dtype=torch.int64, device=dev),
                 torch.zeros((b,), dtype=torch.int64, device=dev),
             )
-            fixed = (self.k_cache, self.v_cache, self.generated)
-            self._step = StaticGraph(self._greedy_step, like, fixed, recorder=recorder)
+            inputs = None
+            for n in self.tiers:
+                fixed = (self.k_cache, self.v_cache, self.generated, self._keys[n])
+                step = StaticGraph(self._greedy_step, like, fixed, recorder=recorder, inputs=inputs)
+                self._steps[n], inputs = step, step.inputs
 
     @property
     def batch(self) -> int:
@@ -77,21 +91,27 @@ class DecodeSession:
 
     @property
     def graphed(self) -> bool:
-        return self._step is not None
+        return bool(self._steps)
+
+    def tier(self, attended: int) -> int:
+        """The shortest tier that holds ``attended`` cache positions."""
+        return next((n for n in self.tiers if n >= attended), self.tiers[-1])
 
     def prefill(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """tokens [B, S], lengths [B] → fp32 logits [B, V] of each row's last real token."""
         return self._prefill(tokens, lengths)[0]
 
-    def decode(self, tokens: Tensor, positions: Tensor) -> Tensor:
+    def decode(self, tokens: Tensor, positions: Tensor, attended: int | None = None) -> Tensor:
         """tokens [B, 1] at positions [B] → fp32 logits [B, V].
 
-        With CUDA graphs the result is the graph's output buffer, overwritten by the next
-        decode: clone it to keep it."""
+        ``attended``: a bound on max(positions) + 1 when the caller knows one (else it is
+        read from ``positions``, a host sync on cuda). With CUDA graphs the result is the
+        graph's output buffer, overwritten by the next decode: clone it to keep it."""
+        n = self.tier(attended if attended is not None else int(positions.max()) + 1)
         tokens, positions = _on(self.device, tokens, positions)
-        if self._step is not None:
-            return self._step(tokens, positions)
-        return self.graphs.decode(tokens, positions, self.k_cache, self.v_cache)[0]
+        if self._steps:
+            return self._steps[n](tokens, positions)
+        return self.graphs.decode(tokens, positions, self.k_cache, self.v_cache, self._keys[n])[0]
 
     def generate(
         self,
@@ -110,6 +130,7 @@ class DecodeSession:
         """
         self._check(prompts, max_new_tokens)
         n, b, s = len(prompts), self.spec.batch, self.spec.seq
+        longest = max(len(p) for p in prompts)
         tokens = torch.zeros((b, s), dtype=torch.int64)
         lengths = torch.ones(b, dtype=torch.int64)  # unused rows: one pad token
         for row, p in enumerate(prompts):
@@ -126,7 +147,7 @@ class DecodeSession:
             check = eos_token_id is not None and done % check_every == 0
             if check and self._all_stopped(lengths, done, n, eos_token_id):
                 break
-            step()
+            step(longest + done)  # attends up to the last row's newest position
             done += 1
             if on_tokens is not None:
                 stop = bool(on_tokens(self._column(lengths, done, n)))
@@ -140,10 +161,16 @@ class DecodeSession:
         return logits, nxt  # (fp32 [B, V], int64 [B])
 
     def _greedy_step(
-        self, tokens: Tensor, positions: Tensor, k: Tensor, v: Tensor, generated: Tensor
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        k: Tensor,
+        v: Tensor,
+        generated: Tensor,
+        keys: Tensor,
     ) -> Tensor:
         """Decode ``tokens`` at ``positions``, then feed the result back in, in place."""
-        logits, nxt = self.graphs.decode(tokens, positions, k, v)
+        logits, nxt = self.graphs.decode(tokens, positions, k, v, keys)
         # The token is for the next position; clamped so a step past the end (which
         # generate never takes) cannot index out of bounds inside a CUDA graph.
         where = (positions + 1).clamp(max=self.spec.seq)
@@ -152,13 +179,14 @@ class DecodeSession:
         positions.add_(1)
         return logits
 
-    def _advance(self, tokens: Tensor, positions: Tensor) -> Callable[[], Any]:
-        """A call that runs one greedy step from ``tokens`` at ``positions`` onward."""
-        if self._step is not None:
-            self._step.load(tokens, positions)
-            return self._step.replay
+    def _advance(self, tokens: Tensor, positions: Tensor) -> Callable[[int], Any]:
+        """A call that runs one greedy step from ``tokens`` at ``positions`` onward, given
+        how many cache positions it attends."""
+        if self._steps:
+            self._steps[self.tiers[0]].load(tokens, positions)  # every tier's inputs
+            return lambda attended: self._steps[self.tier(attended)].replay()
         state = (tokens.clone(), positions.clone(), self.k_cache, self.v_cache, self.generated)
-        return lambda: self._greedy_step(*state)
+        return lambda attended: self._greedy_step(*state, self._keys[self.tier(attended)])
 
     def _column(self, lengths: Tensor, done: int, n: int) -> list[int]:
         """The token each of the first ``n`` rows produced at its step ``done``."""

@@ -20,9 +20,12 @@ greedy argmax is computed inside the graph, so a greedy step needs no kernel of 
     next_tokens int64 [B]     argmax of logits
     writes cache positions 0..S-1 (pad positions hold junk that decode overwrites)
 
-``decode(tokens, positions, k_cache, v_cache) -> (logits, next_tokens)``
+``decode(tokens, positions, k_cache, v_cache, key_positions) -> (logits, next_tokens)``
     tokens      int64 [B, 1]  one new token per row
     positions   int64 [B]     where it goes: lengths for the first step, then +1 each step
+    key_positions int64 [S']  0..S'-1 with max(positions) < S' ≤ S: attention reads only
+                              these cache positions (a dynamic dimension: one package for
+                              every S'; callers use a few, ``key_tiers``)
     logits      fp32  [B, V]
     next_tokens int64 [B]     argmax of logits
     attends to cache positions 0..positions (inclusive)
@@ -33,7 +36,8 @@ Weights: Hugging Face names, with q/k/v and gate/up stacked into ``qkv_proj`` an
 Bounds are the caller's job: positions must be < S and token ids < V. The kernels check
 indices, and a failed check aborts the process rather than raising.
 
-caches: ``dtype`` [L, B, KV, S, D] each (KV after GQA padding). Rows that are not in use
+caches: ``dtype`` [L, S, B, KV, D] each (KV after GQA padding; position-major, so the
+positions a decode step reads are one dense block). Rows that are not in use
 may hold any tokens with length 1; their logits are meaningless.
 
 Weights are not inside the packages (AOTInductor ``package_constants_in_so=False``): load
@@ -49,13 +53,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ABI_VERSION = 2  # 2: fused qkv_proj / gate_up_proj weights; next_tokens output
+# 2: fused qkv_proj / gate_up_proj weights; next_tokens output. 3: decode's key_positions
+ABI_VERSION = 3
 GRAPH_FILE = "graph.json"
 PREFILL_FILE = "prefill.pt2"
 DECODE_FILE = "decode.pt2"
 WEIGHTS_FILE = "weights.safetensors"
 PREFILL_INPUTS = ("tokens", "lengths", "k_cache", "v_cache")
-DECODE_INPUTS = ("tokens", "positions", "k_cache", "v_cache")
+DECODE_INPUTS = ("tokens", "positions", "k_cache", "v_cache", "key_positions")
+SMALLEST_TIER = 64  # the shortest cache prefix a decode step attends
 OUTPUTS = ("logits", "next_tokens")  # fp32 [B, V]; int64 [B], the argmax
 
 
@@ -82,10 +88,19 @@ class GraphSpec:
     # this before binding (user-managed constants are used in place, unchecked). Empty in
     # graph.json files written before it existed.
     constants: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # decode takes any key_positions length 2..S (False: the compiler could not make that
+    # length dynamic for this model, e.g. fp32 attention kernels that pad it: only S)
+    attend_prefix: bool = True
+
+    @property
+    def key_tiers(self) -> tuple[int, ...]:
+        """The key_positions lengths a runtime uses with these graphs."""
+        return key_tiers(self.seq) if self.attend_prefix and self.seq > 2 else (self.seq,)
 
     @property
     def cache_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.layers, self.batch, self.kv_heads, self.seq, self.head_dim)
+        # position-major: the first S' positions of a layer are one dense block
+        return (self.layers, self.seq, self.batch, self.kv_heads, self.head_dim)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -105,6 +120,17 @@ class GraphSpec:
         for k in ("prefill_inputs", "decode_inputs", "outputs"):
             data[k] = tuple(data[k])
         return cls(**data)
+
+
+def key_tiers(seq: int, smallest: int = SMALLEST_TIER) -> tuple[int, ...]:
+    """The lengths S' a runtime passes as ``key_positions``: powers of two from ``smallest``,
+    then the bucket's length. A step uses the shortest that holds every position, so its
+    attention reads at most twice the filled cache; few lengths, so few CUDA graphs."""
+    tiers, n = [], smallest
+    while n < seq:
+        tiers.append(n)
+        n *= 2
+    return (*tiers, seq)
 
 
 def new_cache(spec: GraphSpec, device: Any = None) -> tuple[Any, Any]:

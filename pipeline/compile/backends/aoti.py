@@ -1,6 +1,7 @@
 """cpu and cuda backends: ``torch.export`` + AOTInductor, a prefill and a decode package.
 
-Per bucket: export ``decoder.Prefill`` and ``decoder.Decode`` with static shapes, compile
+Per bucket: export ``decoder.Prefill`` and ``decoder.Decode`` with static shapes (but for
+the number of cache positions decode attends, a dynamic size), compile
 each with ``aoti_compile_and_package`` into ``prefill.pt2`` / ``decode.pt2``, and describe
 them in ``graph.json`` (``pipeline.runtime.graph_abi``). Weights stay out of the packages
 (``package_constants_in_so=False``): ``prepare`` writes them once per release into
@@ -156,14 +157,26 @@ class AotiBackend(Backend):
         )
         options = self.inductor_options(job.flags)
         seconds = {}
-        for name, graph, tokens, index in self._graphs(spec):
+        for name, graph, args, dynamic in self._graphs(spec):
             module = dec.build(cfg, dtype, self.device, graph)
             if not spec.constants:  # both graphs take the same constants
                 spec = dataclasses.replace(spec, constants=constant_specs(module))
             cache = [torch.zeros(spec.cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
             start = time.monotonic()
+            inputs = (*args[:2], *cache, *args[2:])
             with torch.no_grad():
-                program = torch.export.export(module, (tokens, index, *cache), strict=False)
+                try:
+                    program = torch.export.export(
+                        module, inputs, dynamic_shapes=dynamic, strict=False
+                    )
+                except torch._dynamo.exc.UserError as e:
+                    if dynamic is None:
+                        raise
+                    # An attention kernel whose inputs must be padded or aligned makes the
+                    # attended length take fixed values: attend the whole bucket instead.
+                    print(f"{name}: attends the whole bucket ({str(e).splitlines()[0]})")
+                    spec = dataclasses.replace(spec, attend_prefix=False)
+                    program = torch.export.export(module, inputs, strict=False)
             path = job.out_dir / name
             aoti_compile_and_package(
                 program, package_path=str(path), inductor_configs=dict(options)
@@ -187,8 +200,14 @@ class AotiBackend(Backend):
         b, s, dev = spec.batch, spec.seq, self.device
         full = torch.full((b,), s, dtype=torch.long, device=dev)
         zeros = torch.zeros((b,), dtype=torch.long, device=dev)
-        yield PREFILL_FILE, Prefill, torch.zeros((b, s), dtype=torch.long, device=dev), full
-        yield DECODE_FILE, Decode, torch.zeros((b, 1), dtype=torch.long, device=dev), zeros
+        prompts = torch.zeros((b, s), dtype=torch.long, device=dev)
+        yield PREFILL_FILE, Prefill, (prompts, full), None
+        # Decode reads only the first len(key_positions) cache positions, a dynamic size
+        # (at least 2: export specialises sizes 0 and 1).
+        keys = torch.arange(s, device=dev)
+        attended = {0: torch.export.Dim("attended", min=2, max=s)} if s > 2 else None
+        tokens = torch.zeros((b, 1), dtype=torch.long, device=dev)
+        yield DECODE_FILE, Decode, (tokens, zeros, keys), (None, None, None, None, attended)
 
 
 class CpuBackend(AotiBackend):
