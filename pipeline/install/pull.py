@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pipeline._files import FILE_MODE, sha256_file
 from pipeline._progress import ByteProgress, byte_progress
@@ -74,6 +74,7 @@ MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
 # (bench/RESULTS.md, 2026-12-01).
 SINGLE_PROCESS_CPUS, MAX_PROCESSES = 4, 8
 Verify = Literal["parts", "full"]
+T = TypeVar("T")
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
@@ -483,55 +484,81 @@ class Landed:
 
 
 def land_range(store: Store, job: RangeJob, fd: int) -> Landed:
-    """Land ``job`` into ``fd``: each manifest part is checked against its sha256 before it
-    is written, and a bad one is fetched again, alone (up to ``PART_RETRIES`` times)."""
+    """Land ``job`` into ``fd``: the range is read into this thread's buffer, each manifest
+    part is checked against its sha256 there and written from there, and a bad one is
+    fetched again, alone, into its place in the buffer (up to ``PART_RETRIES`` times)."""
     ref, key, start, length = job.ref, job.key, job.start, job.length
-    if job.resume and _already_there(fd, ref, start, length):
+    buf = _buffer(length)
+    if job.resume and _already_there(fd, ref, start, buf):
         return Landed(resumed=True)
-    data = _get(store, key, start, length)
-    got, refetched_parts, refetched_files = len(data), 0, 0
+    got = _read(store, key, start, buf)
+    fetched, refetched_parts, refetched_files = got, 0, 0
     if ref.parts is not None:
-        extra, refetched_parts = _write_parts(store, job, fd, data)
-        got += extra
+        extra, refetched_parts = _write_parts(store, job, fd, buf, got)
+        fetched += extra
     elif job.whole:  # the whole file in memory: check it now, for free
-        while len(data) != length or (digest := hashlib.sha256(data).hexdigest()) != ref.sha256:
+        while got != length or (digest := hashlib.sha256(buf).hexdigest()) != ref.sha256:
             if refetched_files == FILE_RETRIES:
-                raise _file_mismatch(ref, key, digest if len(data) == length else "short")
+                raise _file_mismatch(ref, key, digest if got == length else "short")
             refetched_files += 1
-            data = _get(store, key, start, length)
-            got += len(data)
-        _pwrite(job.tmp, fd, data, start)
+            got = _read(store, key, start, buf)
+            fetched += got
+        _pwrite(job.tmp, fd, buf, start)
     else:  # checked whole once every range landed; a short range is bad already
-        while len(data) != length:
+        while got != length:
             if refetched_parts == PART_RETRIES:
-                raise _short(ref, key, start, length, len(data))
+                raise _short(ref, key, start, length, got)
             refetched_parts += 1
-            data = _get(store, key, start, length)
-            got += len(data)
-        _pwrite(job.tmp, fd, data, start)
-    return Landed(got, False, refetched_parts, refetched_files)
+            got = _read(store, key, start, buf)
+            fetched += got
+        _pwrite(job.tmp, fd, buf, start)
+    return Landed(fetched, False, refetched_parts, refetched_files)
 
 
-def _already_there(fd: int, ref: FileRef, start: int, length: int) -> bool:
-    """Whether every part of the range is already on disk with the right digest."""
+_THREAD = threading.local()
+
+
+def _buffer(n: int) -> memoryview:
+    """This thread's landing buffer, viewed at ``n`` bytes. Allocated once per thread (and
+    grown when a longer range comes), so the bytes in memory stay at threads × range size
+    however many ranges land, and no range makes a new bytes object."""
+    buf = getattr(_THREAD, "buf", None)
+    if buf is None or len(buf) < n:
+        _THREAD.buf = buf = bytearray(n)
+    return memoryview(buf)[:n]
+
+
+def _parts_of(ref: FileRef, start: int, length: int) -> range:
+    assert ref.part_size is not None
+    return range(start // ref.part_size, -(-(start + length) // ref.part_size))
+
+
+def _already_there(fd: int, ref: FileRef, start: int, buf: memoryview) -> bool:
+    """Whether every part of the range is already on disk with the right digest (read
+    into ``buf``, the range's buffer)."""
     assert ref.parts is not None and ref.part_size is not None
-    for i in range(start // ref.part_size, -(-(start + length) // ref.part_size)):
+    for i in _parts_of(ref, start, len(buf)):
         off, n = ref.part_range(i)
-        if hashlib.sha256(os.pread(fd, n, off)).hexdigest() != ref.parts[i]:
+        part = buf[off - start : off - start + n]
+        if os.preadv(fd, [part], off) != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
             return False
     return True
 
 
-def _write_parts(store: Store, job: RangeJob, fd: int, data: bytes) -> tuple[int, int]:
-    """Check each manifest part in ``data``; re-fetch only the bad ones. Returns the bytes
-    re-fetched and how many parts were."""
-    ref, start, view, extra, refetched = job.ref, job.start, memoryview(data), 0, 0
+def _write_parts(
+    store: Store, job: RangeJob, fd: int, buf: memoryview, got: int
+) -> tuple[int, int]:
+    """Check each manifest part of the range in ``buf`` (``got`` bytes of it arrived);
+    re-fetch only the bad ones, into their place. Returns the bytes re-fetched and how many
+    parts were."""
+    ref, start, extra, refetched = job.ref, job.start, 0, 0
     assert ref.parts is not None and ref.part_size is not None
-    for i in range(start // ref.part_size, -(-(start + job.length) // ref.part_size)):
+    for i in _parts_of(ref, start, job.length):
         off, n = ref.part_range(i)
-        part: bytes | memoryview = view[off - start : off - start + n]
+        part = buf[off - start : off - start + n]
+        have = min(n, max(0, got - (off - start)))  # a short read leaves the tail parts short
         tries = 0
-        while len(part) != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
+        while have != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
             if tries == PART_RETRIES:
                 raise IntegrityError(
                     f"{ref.path} ({job.key})",
@@ -541,8 +568,8 @@ def _write_parts(store: Store, job: RangeJob, fd: int, data: bytes) -> tuple[int
                 )
             tries += 1
             refetched += 1
-            part = _get(store, job.key, off, n)
-            extra += len(part)
+            have = _read(store, job.key, off, part)
+            extra += have
         _pwrite(job.tmp, fd, part, off)
     return extra, refetched
 
@@ -564,8 +591,9 @@ def _short(ref: FileRef, key: str, start: int, length: int, got: int) -> Integri
     )
 
 
-def _get(store: Store, key: str, start: int, length: int) -> bytes:
-    return with_retries(lambda: store.get_range(key, start, length))
+def _read(store: Store, key: str, start: int, buf: memoryview) -> int:
+    """Fill ``buf`` from ``key`` at ``start`` (retried); the bytes that came."""
+    return with_retries(lambda: store.read_range_into(key, start, buf))
 
 
 @contextmanager
@@ -579,9 +607,11 @@ def _local_write(path: Path) -> Iterator[None]:
         ) from None
 
 
-def _pwrite(path: str, fd: int, data: bytes | memoryview, offset: int) -> None:
+def _pwrite(path: str, fd: int, data: memoryview, offset: int) -> None:
     with _local_write(Path(path)):
-        os.pwrite(fd, data, offset)
+        while data:  # pwrite may write less than asked (at most ~2 GiB a call on Linux)
+            n = os.pwrite(fd, data, offset)
+            data, offset = data[n:], offset + n
 
 
 def _preallocated(path: Path, size: int) -> int:
@@ -611,7 +641,7 @@ def _sha256_fd(fd: int, size: int) -> str:
     return h.hexdigest()
 
 
-def with_retries(fn: Callable[[], bytes], attempts: int = RETRIES, base: float = 0.2) -> bytes:
+def with_retries(fn: Callable[[], T], attempts: int = RETRIES, base: float = 0.2) -> T:
     """Retry throttling, 5xx and dropped connections (StoreError, OSError) with jittered
     exponential backoff; bad input and missing objects fail at once."""
     for attempt in range(attempts):
