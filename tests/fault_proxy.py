@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 Rule = Callable[[str, str, Mapping[str, str]], bool]
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "upgrade"}
 S3_ERRORS = {
+    301: ("PermanentRedirect", "The bucket you are attempting to access must be addressed..."),
     403: ("AccessDenied", "Access Denied"),
     500: ("InternalError", "We encountered an internal error. Please try again."),
     503: ("SlowDown", "Please reduce your request rate."),

@@ -291,6 +291,18 @@ def test_proxies_in_the_client_config_or_the_env_switch_keep_botocore_s_path(mon
 
 
 @pytest.mark.s3
+def test_a_region_redirect_hands_the_store_to_botocore_s_path(seeded, s3_env):
+    """A bucket in another region than the client's: botocore re-signs for the right one, a
+    presigned URL cannot. The read goes through botocore's path, and so do later ones."""
+    with FaultProxy(s3_env, _ranged, times=1, fault=301) as proxy:
+        store = _s3(proxy.url, bucket=seeded)
+        buf = bytearray(PART)
+        assert store.read_range_into("r.bin", PART, memoryview(buf)) == PART
+        assert buf == DATA[PART : 2 * PART] and len(proxy.hits) == 1
+        assert store.ranges is None
+
+
+@pytest.mark.s3
 def test_presigned_urls_are_sigv4(seeded, s3_env):
     store = _s3(s3_env, bucket=seeded)
     url = store.ranges._url(store.bucket, "p/r.bin")

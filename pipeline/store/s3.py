@@ -48,7 +48,7 @@ from pipeline.errors import (
 from pipeline.store._redact import scrub
 from pipeline.store.base import ObjectInfo, Store
 from pipeline.store.blobs import FileRef
-from pipeline.store.s3_ranges import RangeReader
+from pipeline.store.s3_ranges import BotocoreOnly, RangeReader
 
 MiB = 1 << 20
 # Parts of 64 MiB: few enough requests for multi-GB graphs, small enough to run in parallel.
@@ -358,9 +358,14 @@ class S3Store(Store):
     def read_range_into(self, key: str, start: int, buf: memoryview) -> int:
         """A ranged GET straight into ``buf`` (see pipeline.store.s3_ranges), or botocore's
         ``get_range`` copied into it where that path is off."""
-        if self.ranges is None:
-            return super().read_range_into(key, start, buf)
-        return self.ranges.read_into(self.bucket, self._key(key), start, buf, self._what(key))
+        if self.ranges is not None:
+            try:
+                return self.ranges.read_into(
+                    self.bucket, self._key(key), start, buf, self._what(key)
+                )
+            except BotocoreOnly:  # another region, a skewed clock: botocore's path from now on
+                self.ranges = None
+        return super().read_range_into(key, start, buf)
 
     def size(self, key: str) -> int | None:
         try:

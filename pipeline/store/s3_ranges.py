@@ -40,6 +40,21 @@ URL_REUSE_S, URL_EXPIRES_S = 60.0, 900
 MAX_ERROR_BODY = 1 << 16  # S3 error documents are small; read no more of an odd reply
 # A connection the server dropped (http.client's RemoteDisconnected is a ConnectionResetError)
 _DROPPED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+# Replies that botocore handles and a presigned URL cannot: the bucket is in another region
+# than the client was made for (botocore's S3RegionRedirector re-signs for the right one),
+# or this host's clock is off (botocore corrects its signing time).
+BOTOCORE_ONLY = {
+    "PermanentRedirect",
+    "TemporaryRedirect",
+    "AuthorizationHeaderMalformed",
+    "AuthorizationQueryParametersError",
+    "IllegalLocationConstraintException",
+    "RequestTimeTooSkewed",
+}
+
+
+class BotocoreOnly(StoreError):
+    """A reply that only botocore's own path handles (see ``BOTOCORE_ONLY``)."""
 
 
 class RangeReader:
@@ -133,7 +148,10 @@ class RangeReader:
             if status == 403:  # maybe an expired signature: the next attempt signs anew
                 with self._urls_lock:
                     self._urls.pop((bucket, key), None)
-            raise _error(status, resp.read(MAX_ERROR_BODY), what)
+            code, error = _error(status, resp.read(MAX_ERROR_BODY), what)
+            if code in BOTOCORE_ONLY or status in (301, 307):
+                raise BotocoreOnly(what, f"S3 answered {status} {code}", None)
+            raise error
         skip = start if status == 200 else 0  # 200: the whole object (a server without ranges)
         if status == 206:
             first = (resp.getheader("Content-Range") or "").removeprefix("bytes ").split("-")[0]
@@ -231,8 +249,9 @@ def _unreachable(what: str, e: BaseException) -> StoreError:
     )
 
 
-def _error(status: int, body: bytes, what: str) -> PipelineError:
-    """The pipeline error that botocore's ClientError for this reply would become."""
+def _error(status: int, body: bytes, what: str) -> tuple[str, PipelineError]:
+    """The reply's S3 error code, and the pipeline error that botocore's ClientError for
+    this reply would become."""
     code, message = "", ""
     with contextlib.suppress(ElementTree.ParseError, ValueError):
         root = ElementTree.fromstring(body) if body.strip() else None
@@ -248,4 +267,4 @@ def _error(status: int, body: bytes, what: str) -> PipelineError:
     )
     from pipeline.store.s3 import translate_error
 
-    return translate_error(error, what)
+    return code, translate_error(error, what)
