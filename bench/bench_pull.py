@@ -306,12 +306,62 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             for label in list(pulls)[1:]:
                 print(f"{first} is {rows[label] / rows[first]:.2f}× {label} (higher is faster)")
                 shape.setdefault("first_pull_vs", {})[label] = rows[label] / rows[first]
+        shape["gil_s_per_gb"] = {}
+        for label, gets in args.pulls:
+            held = gil_held_per_gb(refs, gets, root / "gil.bin")
+            shape["gil_s_per_gb"][label] = held
+            print(
+                f"{label}: the GIL held {held:.3f} s per GB landed (one thread, cProfile; "
+                f"one process's threads are GIL-bound near {1 / held:.1f} GB/s)",
+                flush=True,
+            )
         return shape
     finally:
         if server is not None:
             server.terminate()
             server.wait()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# C functions that release the GIL while they work or wait (sockets, TLS, hashing, file I/O).
+GIL_FREE = ("recv_into", "recv", "sendall", "connect", "read'", "readinto'", "do_handshake",
+            "sha256", "hexdigest", "pwrite", "preadv", "acquire", "sleep")  # fmt: skip
+
+
+def gil_held_per_gb(refs: list, gets: str, tmp: Path) -> float:
+    """Seconds per GB that landing every range of ``refs`` in one thread holds the GIL: every
+    function's own CPU time under cProfile but the C calls that release it (an upper bound:
+    profiling adds to the Python side). Any number of threads are GIL-bound near 1 / this."""
+    import cProfile
+    import pstats
+
+    from pipeline.install.pull import DEFAULT_PART, RangeJob, _preallocated, land_range
+    from pipeline.store.s3 import S3Store
+
+    store = S3Store.from_url(f"s3://{BUCKET}/store?addressing_style=path", lean_gets=gets == "lean")
+    fd = _preallocated(tmp, max(r.size for r in refs))  # one file: the bytes land anywhere
+    try:
+        jobs = [
+            RangeJob(blob_key(r.sha256), r, str(tmp), off, min(DEFAULT_PART, r.size - off),
+                     False, False)
+            for r in refs for off in range(0, r.size, DEFAULT_PART)
+        ]  # fmt: skip
+        land_range(store, jobs[0], fd)  # warm: the connection, the buffer
+        profile = cProfile.Profile(time.thread_time)  # CPU time: not the waits, nor load
+        profile.enable()
+        for job in jobs:
+            land_range(store, job, fd)
+        profile.disable()
+    finally:
+        os.close(fd)
+        tmp.unlink()
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    held = sum(
+        tt
+        for (file, _, name), (_, _, tt, _, _) in stats.items()
+        if not (file == "~" and any(f in name + "'" for f in GIL_FREE))
+    )
+    return held / (sum(r.size for r in refs) / 1e9)
 
 
 def _die_with_parent() -> None:
