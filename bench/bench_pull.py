@@ -311,8 +311,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             held = gil_held_per_gb(refs, gets, root / "gil.bin")
             shape["gil_s_per_gb"][label] = held
             print(
-                f"{label}: the GIL held {held:.3f} s per GB landed (one thread, cProfile; "
-                f"one process's threads are GIL-bound near {1 / held:.1f} GB/s)",
+                f"{label}: the GIL held {held:.3f} s per GB landed (one thread; one "
+                f"process's threads are GIL-bound near {1 / held:.1f} GB/s)",
                 flush=True,
             )
         return shape
@@ -323,45 +323,51 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         shutil.rmtree(root, ignore_errors=True)
 
 
-# C functions that release the GIL while they work or wait (sockets, TLS, hashing, file I/O).
-GIL_FREE = ("recv_into", "recv", "sendall", "connect", "read'", "readinto'", "do_handshake",
-            "sha256", "hexdigest", "pwrite", "preadv", "acquire", "sleep")  # fmt: skip
-
-
 def gil_held_per_gb(refs: list, gets: str, tmp: Path) -> float:
-    """Seconds per GB that landing every range of ``refs`` in one thread holds the GIL: every
-    function's own CPU time under cProfile but the C calls that release it (an upper bound:
-    profiling adds to the Python side). Any number of threads are GIL-bound near 1 / this."""
-    import cProfile
-    import pstats
+    """Seconds per GB that landing every range of ``refs`` in one thread holds the GIL: the
+    thread's CPU time less the CPU time inside the calls that release the GIL (socket reads,
+    sha256, pwrite), each timed by a thin wrapper. With any number of threads, one process
+    lands at most about 1 / this GB/s."""
+    import hashlib
+    import socket
 
-    from pipeline.install.pull import DEFAULT_PART, RangeJob, _preallocated, land_range
+    import pipeline.install.pull as pull
     from pipeline.store.s3 import S3Store
 
+    free = [0.0]
+
+    def timed_free(fn):
+        def call(*a, **k):
+            t = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                free[0] += time.thread_time() - t
+
+        return call
+
     store = S3Store.from_url(f"s3://{BUCKET}/store?addressing_style=path", lean_gets=gets == "lean")
-    fd = _preallocated(tmp, max(r.size for r in refs))  # one file: the bytes land anywhere
+    fd = pull._preallocated(tmp, max(r.size for r in refs))  # one file: bytes land anywhere
+    jobs = [
+        pull.RangeJob(blob_key(r.sha256), r, str(tmp), off,
+                      min(pull.DEFAULT_PART, r.size - off), False, False)
+        for r in refs for off in range(0, r.size, pull.DEFAULT_PART)
+    ]  # fmt: skip
+    saved = socket.SocketIO.readinto, pull.hashlib, pull.os.pwrite
     try:
-        jobs = [
-            RangeJob(blob_key(r.sha256), r, str(tmp), off, min(DEFAULT_PART, r.size - off),
-                     False, False)
-            for r in refs for off in range(0, r.size, DEFAULT_PART)
-        ]  # fmt: skip
-        land_range(store, jobs[0], fd)  # warm: the connection, the buffer
-        profile = cProfile.Profile(time.thread_time)  # CPU time: not the waits, nor load
-        profile.enable()
+        pull.land_range(store, jobs[0], fd)  # warm: the connection, the buffer
+        socket.SocketIO.readinto = timed_free(saved[0])  # type: ignore[method-assign]
+        pull.hashlib = type("H", (), {"sha256": staticmethod(timed_free(hashlib.sha256))})
+        pull.os.pwrite = timed_free(saved[2])
+        t = time.thread_time()
         for job in jobs:
-            land_range(store, job, fd)
-        profile.disable()
+            pull.land_range(store, job, fd)
+        cpu = time.thread_time() - t
     finally:
+        socket.SocketIO.readinto, pull.hashlib, pull.os.pwrite = saved  # type: ignore[misc]
         os.close(fd)
         tmp.unlink()
-    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
-    held = sum(
-        tt
-        for (file, _, name), (_, _, tt, _, _) in stats.items()
-        if not (file == "~" and any(f in name + "'" for f in GIL_FREE))
-    )
-    return held / (sum(r.size for r in refs) / 1e9)
+    return (cpu - free[0]) / (sum(r.size for r in refs) / 1e9)
 
 
 def _die_with_parent() -> None:
