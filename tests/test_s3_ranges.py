@@ -121,6 +121,16 @@ def test_faults_map_to_the_errors_botocore_s_path_gives_and_are_retried(
 
 
 @pytest.mark.s3
+def test_no_credentials_is_the_one_line_error_botocore_s_path_gives(seeded, s3_env, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+    store = _s3(s3_env, bucket=seeded)
+    assert store.ranges is not None
+    with pytest.raises(StoreError, match="no usable AWS credentials"):
+        store.read_range_into("r.bin", 0, memoryview(bytearray(10)))
+
+
+@pytest.mark.s3
 def test_missing_bucket_is_not_found(s3_env):
     store = _s3(s3_env, bucket="no-such-bucket-here")
     with pytest.raises(NotFoundError, match="bucket does not exist"):

@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 from xml.etree import ElementTree
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline.errors import PipelineError, StoreError
 from pipeline.store._redact import scrub
@@ -105,13 +105,16 @@ class RangeReader:
         the ones ``translate_error`` gives for botocore's; a dropped connection reconnects."""
         if not len(buf):
             return 0
-        url = self._url(bucket, key)
+        try:
+            url = self._url(bucket, key)
+        except (BotoCoreError, ClientError) as e:  # no usable credentials, say
+            raise _translate(e, what) from None
         parts = urlsplit(url)
         target = f"{parts.path or '/'}?{parts.query}"
         headers = {"Range": f"bytes={start}-{start + len(buf) - 1}"}
         conn_key = (parts.scheme, parts.netloc)
         for attempt in range(2):
-            conn, reused = self._connection(conn_key)
+            conn, reused = self._connection(conn_key, what)
             try:
                 conn.request("GET", target, headers=headers)
                 resp = conn.getresponse()
@@ -190,7 +193,9 @@ class RangeReader:
             self._urls[(bucket, key)] = (url, now)
         return str(url)
 
-    def _connection(self, conn_key: tuple[str, str]) -> tuple[http.client.HTTPConnection, bool]:
+    def _connection(
+        self, conn_key: tuple[str, str], what: str
+    ) -> tuple[http.client.HTTPConnection, bool]:
         """This thread's connection to the endpoint, and whether it served a request before."""
         conns: dict = self._local.__dict__.setdefault("conns", {})
         conn = conns.get(conn_key)
@@ -207,7 +212,7 @@ class RangeReader:
             conn.connect()
         except (OSError, http.client.HTTPException) as e:
             conn.close()
-            raise _unreachable(f"{scheme}://{netloc}", e) from None
+            raise _unreachable(what, e) from None
         assert conn.sock is not None
         conn.sock.settimeout(self.read_timeout)
         conns[conn_key] = conn
@@ -265,6 +270,10 @@ def _error(status: int, body: bytes, what: str) -> tuple[str, PipelineError]:
         },
         "GetObject",
     )
-    from pipeline.store.s3 import translate_error
+    return code, _translate(error, what)
 
-    return code, translate_error(error, what)
+
+def _translate(e: BaseException, what: str) -> PipelineError:
+    from pipeline.store.s3 import translate_error  # s3 imports this module
+
+    return translate_error(e, what)
