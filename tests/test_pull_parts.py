@@ -238,8 +238,8 @@ def test_schema_1_manifests_still_pull_verified_whole(store, tmp_path):
     key = blob_key(m.buckets["b1_s32"].files[0].sha256)
     store.put_bytes(key, data[:PART] + bytes([data[PART] ^ 0xFF]) + data[PART + 1 :])  # flipped
     calls = []
-    real = store.get_range
-    store.get_range = lambda k, s, n: (calls.append(k) if k == key else None) or real(k, s, n)
+    real = store.read_range_into
+    store.read_range_into = lambda k, s, b: (calls.append(k) if k == key else None) or real(k, s, b)
     with pytest.raises(IntegrityError, match=f"after {FILE_RETRIES} whole-file re-fetches"):
         pull_release(store, "m", tmp_path / "e", version="v1", part_size=PART)
     assert len(calls) == 4 * (1 + FILE_RETRIES)
@@ -384,9 +384,9 @@ def test_a_half_fetched_file_resumes_from_its_verified_parts(store, tmp_path):
     torn[5 * PART : 5 * PART + 10] = data[5 * PART : 5 * PART + 10]  # part 5 torn
     tmp.write_bytes(bytes(torn))
     calls = []
-    real = store.get_range
+    real = store.read_range_into
     key = blob_key(m.buckets["b1_s32"].files[0].sha256)
-    store.get_range = lambda k, s, n: (calls.append(s) if k == key else None) or real(k, s, n)
+    store.read_range_into = lambda k, s, b: (calls.append(s) if k == key else None) or real(k, s, b)
     r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
     assert sorted(calls) == [i * PART for i in range(3, 8)]

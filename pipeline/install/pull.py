@@ -4,15 +4,14 @@ manifest → ranged GETs of several files at once → each part checked as it la
 install. See docs/pull.md for the flags, the defaults and why.
 
 * A pool of ``concurrency`` threads takes ranges from one queue, file after file, so small
-  files and the ranges of large ones are all in flight together. A thread fetches a range,
-  checks each manifest part in it against its sha256 (hashlib releases the GIL, so checks run
-  on every core), and writes it at its offset with ``os.pwrite`` into a preallocated temporary
-  file. Bytes in memory stay below concurrency × range size.
-* On a node with more than 4 CPUs, from S3, those threads hand each range to one of
-  ``processes`` worker processes (``pipeline.install.pull_procs``), which land it the same
-  way with ``land_range``: one process's threads top out near two cores (the GIL). Ranges
-  in flight across all processes stay at most ``concurrency``; everything else (progress,
-  resume, whole-file checks, install) stays here.
+  files and the ranges of large ones are all in flight together. A thread reads a range
+  into its own buffer (``Store.read_range_into``: on S3 a ranged GET read by http.client
+  straight into it, pipeline.store.s3_ranges), checks each manifest part there against its
+  sha256, and writes it from there at its offset with ``os.pwrite`` into a preallocated
+  temporary file. Socket reads, hashing and writing release the GIL, and the Python work
+  per range is small (0.06-0.09 s of GIL per GB landed), so one process's threads use every
+  core. Bytes in memory stay at threads × range size: each thread's buffer is allocated
+  once and reused for every range it lands.
 * A bad part (wrong bytes, short read) is fetched again, alone, up to ``PART_RETRIES`` times.
   The whole-file sha256 (the blob's name) is checked where it costs nothing extra (a file of
   one range, hashed in memory), and for every file with ``verify="full"``. Files whose ref has
@@ -43,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, TypeVar
 
 from pipeline._files import FILE_MODE, sha256_file
 from pipeline._progress import ByteProgress, byte_progress
@@ -54,26 +53,17 @@ from pipeline.store.blobs import PART_SIZE, FileRef
 from pipeline.store.layout import blob_key
 from pipeline.store.releases import read_release_bytes, resolve_version
 
-if TYPE_CHECKING:
-    from pipeline.install.pull_procs import WorkerPool
-
 DEFAULT_PART = PART_SIZE  # bytes per ranged GET; rounded to whole manifest parts
 RETRIES = 6  # transport errors (throttling, 5xx, resets) per request
 PART_RETRIES = 3  # re-fetches of one part whose bytes do not match its digest
 FILE_RETRIES = 2  # whole-file re-fetches of a file checked only whole
 # Concurrency: 4 threads per available CPU, at least 8 and at most 32. Threads mostly wait
-# on the network; the CPU work (TLS, botocore, sha256) releases the GIL for large buffers.
+# on the network; the CPU work (socket reads and TLS, sha256, pwrite) releases the GIL.
 # 8 keep a 2-CPU init container's network busy; 32 x 16 MiB = 512 MiB in flight is what an
 # init container's memory limit should hold, and already saturates more than 2 CPUs.
 MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
-# Processes: one process's threads top out near two cores (the GIL: botocore reading bodies,
-# the per-range Python work), which is right up to 4 CPUs; above that, one worker process
-# per CPU, at least 2 ranges each, at most 16 (see docs/pull.md for the measurements).
-# At most 8 worker processes: on 16 cores, 8 processes × 4 threads pulled 2.11-2.43 GB/s,
-# against 1.69-1.77 GB/s for 16 × 2 and 1.91-2.06 GB/s for 6, with less memory than 16
-# (bench/RESULTS.md, 2026-12-01).
-SINGLE_PROCESS_CPUS, MAX_PROCESSES = 4, 8
 Verify = Literal["parts", "full"]
+T = TypeVar("T")
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
@@ -100,14 +90,6 @@ def default_concurrency(cpus: int | None = None) -> int:
     return max(MIN_CONCURRENCY, min(MAX_CONCURRENCY, THREADS_PER_CPU * cpus))
 
 
-def default_processes(cpus: int | None = None, concurrency: int | None = None) -> int:
-    cpus = available_cpus() if cpus is None else cpus
-    if cpus <= SINGLE_PROCESS_CPUS:
-        return 1
-    concurrency = concurrency or default_concurrency(cpus)
-    return max(1, min(cpus, concurrency // 2, MAX_PROCESSES))
-
-
 @dataclass(frozen=True)
 class PullResult:
     model: str
@@ -124,9 +106,6 @@ class PullResult:
     concurrency: int = 0
     part_size: int = 0
     verify: str = "parts"
-    processes: int = 1  # worker processes that landed ranges (1: this process's threads)
-    worker_peak_rss: int = 0  # the sum of the worker processes' peak resident sets
-    worker_parts: int = 0  # ranges landed (or found already there) by worker processes
 
     @property
     def throughput(self) -> float:
@@ -147,16 +126,10 @@ def pull_release(
     concurrency: int | None = None,
     part_size: int = DEFAULT_PART,
     verify: Verify = "parts",
-    processes: int | None = None,
 ) -> PullResult:
-    """Install a release; see the module docstring. ``processes`` (default: from the
-    available CPUs) above 1 lands ranges in worker processes, for S3 stores; a local store
-    is read by this process's threads (a file read and a hash release the GIL)."""
+    """Install a release; see the module docstring."""
     start = time.monotonic()
     concurrency = concurrency or default_concurrency()
-    processes = processes or default_processes(concurrency=concurrency)
-    reopen = getattr(store, "reopen_kwargs", lambda: None)()
-    processes = max(1, min(processes, concurrency)) if reopen is not None else 1
     version = resolve_version(store, model, version, channel)
     manifest, raw = read_release_bytes(store, model, version)
     files = release_files(manifest)  # refuses paths that leave the release directory
@@ -165,7 +138,7 @@ def pull_release(
     total = sum(ref.size for _, ref in files)
     result = PullResult(
         model, version, final, len(files), 0, total, 0.0, True,
-        concurrency=concurrency, part_size=part_size, verify=verify, processes=processes,
+        concurrency=concurrency, part_size=part_size, verify=verify,
     )  # fmt: skip
     if (final / MANIFEST).is_file() and (final / MANIFEST).read_bytes() == raw:
         _point_current(model_dir, version)
@@ -173,18 +146,7 @@ def pull_release(
 
     staging = model_dir / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
-    pool = None
-    if processes > 1 and total:  # started now: they boot while the resume check runs
-        from pipeline.install.pull_procs import WorkerPool
-
-        pool = WorkerPool(reopen, processes, -(-concurrency // processes))
-    try:
-        return _pull_into(
-            store, staging, final, model_dir, files, raw, result, start, pool, part_size
-        )
-    finally:
-        if pool is not None:
-            pool.stop()
+    return _pull_into(store, staging, final, model_dir, files, raw, result, start, part_size)
 
 
 def _pull_into(
@@ -196,7 +158,6 @@ def _pull_into(
     raw: bytes,
     result: PullResult,
     start: float,
-    pool: WorkerPool | None,
     part_size: int,
 ) -> PullResult:
     model, version, concurrency, verify = (
@@ -220,7 +181,7 @@ def _pull_into(
             fetch.append((target, ref))
             fetching.add(ref.sha256)
     reused = total - sum(ref.size for _, ref in fetch)
-    fetcher = _Fetcher(store, concurrency, part_size, verify, pool)
+    fetcher = _Fetcher(store, concurrency, part_size, verify)
     with byte_progress(f"pull {model} {version}", total) as progress:
         progress.advance(reused)
         fetcher.fetch_all(fetch, progress)
@@ -241,8 +202,6 @@ def _pull_into(
         parts=fetcher.parts,
         refetched_parts=fetcher.refetched_parts,
         refetched_files=fetcher.refetched_files,
-        worker_peak_rss=pool.peak_rss if pool is not None else 0,
-        worker_parts=fetcher.by_workers,
     )
 
 
@@ -319,16 +278,13 @@ class _Fetcher:
         concurrency: int,
         part_size: int,
         verify: Verify,
-        pool: WorkerPool | None = None,
     ) -> None:
         self.store = store
-        self.pool = pool  # worker processes that land the ranges; None: these threads do
         self.concurrency = max(1, concurrency)
         self.part_size = max(1 << 16, part_size)
         self.verify = verify
         self.downloaded = self.parts = self.refetched_parts = self.refetched_files = 0
         self.resumed = 0  # bytes of partial files a killed pull left, kept because they verify
-        self.by_workers = 0  # ranges landed by worker processes
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: queue.SimpleQueue[tuple[_File, int, int] | None] = queue.SimpleQueue()
@@ -399,18 +355,14 @@ class _Fetcher:
                     self._idle.notify_all()
 
     def _land(self, f: _File, start: int, length: int) -> None:
-        """Land one range (here, or in a worker process); finish the file if it was last."""
+        """Land one range; finish the file if it was the last."""
         with f.lock, _local_write(f.tmp):
             if f.fd is None:
                 f.fd = os.open(f.tmp, os.O_RDWR) if f.resume else _preallocated(f.tmp, f.ref.size)
         whole = f.ref.parts is None and len(f.ranges) == 1
         job = RangeJob(f.key, f.ref, str(f.tmp), start, length, whole, f.resume)
-        out = self.pool.call(job) if self.pool else None
-        by_worker = out is not None
-        if out is None:  # no worker processes, or none ready yet
-            out = land_range(self.store, job, f.fd)
+        out = land_range(self.store, job, f.fd)
         with self._lock:
-            self.by_workers += by_worker
             if out.resumed:
                 self.resumed += length
             else:
@@ -461,7 +413,7 @@ class _Fetcher:
 @dataclass(frozen=True)
 class RangeJob:
     """One range to land: fetch it, check it, write it at its offset into ``tmp`` (a
-    preallocated temporary file). Picklable: a worker process may be the one to land it."""
+    preallocated temporary file)."""
 
     key: str
     ref: FileRef
@@ -483,55 +435,81 @@ class Landed:
 
 
 def land_range(store: Store, job: RangeJob, fd: int) -> Landed:
-    """Land ``job`` into ``fd``: each manifest part is checked against its sha256 before it
-    is written, and a bad one is fetched again, alone (up to ``PART_RETRIES`` times)."""
+    """Land ``job`` into ``fd``: the range is read into this thread's buffer, each manifest
+    part is checked against its sha256 there and written from there, and a bad one is
+    fetched again, alone, into its place in the buffer (up to ``PART_RETRIES`` times)."""
     ref, key, start, length = job.ref, job.key, job.start, job.length
-    if job.resume and _already_there(fd, ref, start, length):
+    buf = _buffer(length)
+    if job.resume and _already_there(fd, ref, start, buf):
         return Landed(resumed=True)
-    data = _get(store, key, start, length)
-    got, refetched_parts, refetched_files = len(data), 0, 0
+    got = _read(store, key, start, buf)
+    fetched, refetched_parts, refetched_files = got, 0, 0
     if ref.parts is not None:
-        extra, refetched_parts = _write_parts(store, job, fd, data)
-        got += extra
+        extra, refetched_parts = _write_parts(store, job, fd, buf, got)
+        fetched += extra
     elif job.whole:  # the whole file in memory: check it now, for free
-        while len(data) != length or (digest := hashlib.sha256(data).hexdigest()) != ref.sha256:
+        while got != length or (digest := hashlib.sha256(buf).hexdigest()) != ref.sha256:
             if refetched_files == FILE_RETRIES:
-                raise _file_mismatch(ref, key, digest if len(data) == length else "short")
+                raise _file_mismatch(ref, key, digest if got == length else "short")
             refetched_files += 1
-            data = _get(store, key, start, length)
-            got += len(data)
-        _pwrite(job.tmp, fd, data, start)
+            got = _read(store, key, start, buf)
+            fetched += got
+        _pwrite(job.tmp, fd, buf, start)
     else:  # checked whole once every range landed; a short range is bad already
-        while len(data) != length:
+        while got != length:
             if refetched_parts == PART_RETRIES:
-                raise _short(ref, key, start, length, len(data))
+                raise _short(ref, key, start, length, got)
             refetched_parts += 1
-            data = _get(store, key, start, length)
-            got += len(data)
-        _pwrite(job.tmp, fd, data, start)
-    return Landed(got, False, refetched_parts, refetched_files)
+            got = _read(store, key, start, buf)
+            fetched += got
+        _pwrite(job.tmp, fd, buf, start)
+    return Landed(fetched, False, refetched_parts, refetched_files)
 
 
-def _already_there(fd: int, ref: FileRef, start: int, length: int) -> bool:
-    """Whether every part of the range is already on disk with the right digest."""
+_THREAD = threading.local()
+
+
+def _buffer(n: int) -> memoryview:
+    """This thread's landing buffer, viewed at ``n`` bytes. Allocated once per thread (and
+    grown when a longer range comes), so the bytes in memory stay at threads × range size
+    however many ranges land, and no range makes a new bytes object."""
+    buf = getattr(_THREAD, "buf", None)
+    if buf is None or len(buf) < n:
+        _THREAD.buf = buf = bytearray(n)
+    return memoryview(buf)[:n]
+
+
+def _parts_of(ref: FileRef, start: int, length: int) -> range:
+    assert ref.part_size is not None
+    return range(start // ref.part_size, -(-(start + length) // ref.part_size))
+
+
+def _already_there(fd: int, ref: FileRef, start: int, buf: memoryview) -> bool:
+    """Whether every part of the range is already on disk with the right digest (read
+    into ``buf``, the range's buffer)."""
     assert ref.parts is not None and ref.part_size is not None
-    for i in range(start // ref.part_size, -(-(start + length) // ref.part_size)):
+    for i in _parts_of(ref, start, len(buf)):
         off, n = ref.part_range(i)
-        if hashlib.sha256(os.pread(fd, n, off)).hexdigest() != ref.parts[i]:
+        part = buf[off - start : off - start + n]
+        if os.preadv(fd, [part], off) != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
             return False
     return True
 
 
-def _write_parts(store: Store, job: RangeJob, fd: int, data: bytes) -> tuple[int, int]:
-    """Check each manifest part in ``data``; re-fetch only the bad ones. Returns the bytes
-    re-fetched and how many parts were."""
-    ref, start, view, extra, refetched = job.ref, job.start, memoryview(data), 0, 0
+def _write_parts(
+    store: Store, job: RangeJob, fd: int, buf: memoryview, got: int
+) -> tuple[int, int]:
+    """Check each manifest part of the range in ``buf`` (``got`` bytes of it arrived);
+    re-fetch only the bad ones, into their place. Returns the bytes re-fetched and how many
+    parts were."""
+    ref, start, extra, refetched = job.ref, job.start, 0, 0
     assert ref.parts is not None and ref.part_size is not None
-    for i in range(start // ref.part_size, -(-(start + job.length) // ref.part_size)):
+    for i in _parts_of(ref, start, job.length):
         off, n = ref.part_range(i)
-        part: bytes | memoryview = view[off - start : off - start + n]
+        part = buf[off - start : off - start + n]
+        have = min(n, max(0, got - (off - start)))  # a short read leaves the tail parts short
         tries = 0
-        while len(part) != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
+        while have != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
             if tries == PART_RETRIES:
                 raise IntegrityError(
                     f"{ref.path} ({job.key})",
@@ -541,8 +519,8 @@ def _write_parts(store: Store, job: RangeJob, fd: int, data: bytes) -> tuple[int
                 )
             tries += 1
             refetched += 1
-            part = _get(store, job.key, off, n)
-            extra += len(part)
+            have = _read(store, job.key, off, part)
+            extra += have
         _pwrite(job.tmp, fd, part, off)
     return extra, refetched
 
@@ -564,8 +542,9 @@ def _short(ref: FileRef, key: str, start: int, length: int, got: int) -> Integri
     )
 
 
-def _get(store: Store, key: str, start: int, length: int) -> bytes:
-    return with_retries(lambda: store.get_range(key, start, length))
+def _read(store: Store, key: str, start: int, buf: memoryview) -> int:
+    """Fill ``buf`` from ``key`` at ``start`` (retried); the bytes that came."""
+    return with_retries(lambda: store.read_range_into(key, start, buf))
 
 
 @contextmanager
@@ -579,9 +558,11 @@ def _local_write(path: Path) -> Iterator[None]:
         ) from None
 
 
-def _pwrite(path: str, fd: int, data: bytes | memoryview, offset: int) -> None:
+def _pwrite(path: str, fd: int, data: memoryview, offset: int) -> None:
     with _local_write(Path(path)):
-        os.pwrite(fd, data, offset)
+        while data:  # pwrite may write less than asked (at most ~2 GiB a call on Linux)
+            n = os.pwrite(fd, data, offset)
+            data, offset = data[n:], offset + n
 
 
 def _preallocated(path: Path, size: int) -> int:
@@ -611,7 +592,7 @@ def _sha256_fd(fd: int, size: int) -> str:
     return h.hexdigest()
 
 
-def with_retries(fn: Callable[[], bytes], attempts: int = RETRIES, base: float = 0.2) -> bytes:
+def with_retries(fn: Callable[[], T], attempts: int = RETRIES, base: float = 0.2) -> T:
     """Retry throttling, 5xx and dropped connections (StoreError, OSError) with jittered
     exponential backoff; bad input and missing objects fail at once."""
     for attempt in range(attempts):
@@ -632,7 +613,6 @@ __all__ = [
     "RangeJob",
     "available_cpus",
     "default_concurrency",
-    "default_processes",
     "land_range",
     "pull_release",
     "with_retries",

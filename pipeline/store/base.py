@@ -60,6 +60,14 @@ class Store(ABC):
         """``length`` bytes from offset ``start`` (a ranged GET); NotFoundError when absent.
         Fewer bytes (or none) come back where the object ends sooner."""
 
+    def read_range_into(self, key: str, start: int, buf: memoryview) -> int:
+        """``get_range`` into ``buf``: reads ``len(buf)`` bytes from offset ``start`` and
+        returns how many, fewer (or 0) where the object ends sooner; NotFoundError when
+        absent. Backends override it to fill ``buf`` without an intermediate copy."""
+        data = self.get_range(key, start, len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
     @abstractmethod
     def size(self, key: str) -> int | None:
         """Size in bytes, or None when absent."""

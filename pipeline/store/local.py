@@ -105,6 +105,22 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise self._missing(key) from None
 
+    def read_range_into(self, key: str, start: int, buf: memoryview) -> int:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            raise self._missing(key) from None
+        try:
+            got = 0
+            while got < len(buf):  # preadv may return less than asked (signals, huge reads)
+                n = os.preadv(fd, [buf[got:]], start + got)
+                if not n:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
+
     def size(self, key: str) -> int | None:
         with contextlib.suppress(FileNotFoundError):
             return self._path(key).stat().st_size

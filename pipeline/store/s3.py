@@ -48,6 +48,7 @@ from pipeline.errors import (
 from pipeline.store._redact import scrub
 from pipeline.store.base import ObjectInfo, Store
 from pipeline.store.blobs import FileRef
+from pipeline.store.s3_ranges import BotocoreOnly, RangeReader
 
 MiB = 1 << 20
 # Parts of 64 MiB: few enough requests for multi-GB graphs, small enough to run in parallel.
@@ -55,6 +56,9 @@ DEFAULT_TRANSFER = TransferConfig(
     multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB, max_concurrency=8
 )
 ADDRESSING_STYLES = ("auto", "path", "virtual")
+# Ranged GETs into a buffer take the lean path (pipeline.store.s3_ranges) unless this is
+# "botocore": an escape hatch, and the baseline that bench/bench_pull.py compares against.
+GETS_ENV = "INF2_PIPELINE_S3_GETS"
 # S3 multipart limits (S3 user guide, "Amazon S3 multipart upload limits").
 MIN_PART, MAX_PARTS = 5 * MiB, 10_000
 
@@ -87,6 +91,11 @@ def make_client(
         retries={"mode": "standard", "max_attempts": max_attempts},
         max_pool_connections=max_pool_connections,  # concurrent blobs x parts share one pool
         s3={"addressing_style": addressing_style} if addressing_style else None,
+        # SigV4 for presigned URLs too (the ranged GETs of pull): botocore presigns with
+        # SigV2 by default in some regions, which S3 refuses for buckets made since 2020
+        # (S3 user guide, "Authenticating Requests (AWS Signature Version 2)"). Requests
+        # were signed with SigV4 already.
+        signature_version="s3v4" if service == "s3" else None,
     )
     with _SESSION_LOCK:  # sessions are not thread-safe (clients are)
         return _session().client(service, endpoint_url=endpoint_url, config=config)
@@ -187,6 +196,7 @@ class S3Store(Store):
         endpoint_url: str | None = None,
         addressing_style: str | None = None,
         transfer_config: TransferConfig = DEFAULT_TRANSFER,
+        lean_gets: bool | None = None,
     ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -195,15 +205,11 @@ class S3Store(Store):
         self._client_kw = {"endpoint_url": endpoint_url, "addressing_style": addressing_style}
         self.client = client or client_factory("s3", **self._client_kw)
         self.transfer = transfer_config
-        self._reopenable = client is None and client_factory is make_client
-
-    def reopen_kwargs(self) -> dict[str, Any] | None:
-        """Keyword arguments that open this store again in another process (its own
-        client: a boto3 client must not cross a process boundary), or None where it was
-        given a client or factory of its own (tests' fakes) that cannot travel."""
-        if not self._reopenable:
-            return None
-        return {"bucket": self.bucket, "prefix": self.prefix, **self._client_kw}
+        if lean_gets is None:
+            lean_gets = os.environ.get(GETS_ENV, "lean") != "botocore"
+        self.lean_gets = lean_gets
+        # None: botocore's path (asked for, a proxy, or a client whose settings are unknown)
+        self.ranges = RangeReader.for_client(self.client) if lean_gets else None
 
     @classmethod
     def from_url(cls, url: str, **kw: Any) -> S3Store:
@@ -348,6 +354,18 @@ class S3Store(Store):
             raise translate_error(e, self._what(key)) from None
         except BotoCoreError as e:
             raise translate_error(e, self._what(key)) from None
+
+    def read_range_into(self, key: str, start: int, buf: memoryview) -> int:
+        """A ranged GET straight into ``buf`` (see pipeline.store.s3_ranges), or botocore's
+        ``get_range`` copied into it where that path is off."""
+        if self.ranges is not None:
+            try:
+                return self.ranges.read_into(
+                    self.bucket, self._key(key), start, buf, self._what(key)
+                )
+            except BotocoreOnly:  # another region, a skewed clock: botocore's path from now on
+                self.ranges = None
+        return super().read_range_into(key, start, buf)
 
     def size(self, key: str) -> int | None:
         try:

@@ -1,0 +1,279 @@
+"""Ranged GETs from S3 straight into a caller's buffer: the bytes path of ``pull``.
+
+botocore reads a body through urllib3 in 128 KiB reads, each a new bytes object joined at
+the end, with the GIL held between them; at several GB/s that costs more CPU than checking
+the bytes. Here botocore only signs: a presigned GET URL (made locally, from the client's
+credential chain, endpoint, region and addressing style). The request goes out with the
+standard library's ``http.client`` on a keep-alive connection owned by the calling thread,
+with ``Range`` as a plain header (a presigned URL signs only ``host``), and the body is read
+with ``readinto`` into the caller's buffer: socket reads that release the GIL and make no
+intermediate objects.
+
+Settings come from the client's own HTTP session (TLS verification and CA bundle, client
+certificate, proxies) and config (timeouts). Where they cannot be read, or where botocore
+would go through a proxy, ``RangeReader.for_client`` returns None and the store keeps
+botocore's path: tunnelling through a proxy (CONNECT, proxy auth, proxy TLS settings) is
+what urllib3 already does well, and through a proxy that hop, not the parsing, is the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import ssl
+import threading
+import time
+from typing import Any
+from urllib.parse import urlsplit
+from xml.etree import ElementTree
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from pipeline.errors import PipelineError, StoreError
+from pipeline.store._redact import scrub
+
+# A presigned URL is reused for this long per key (a blob's ranges share one signature),
+# and valid for URL_EXPIRES_S. botocore refreshes temporary credentials at least 10 minutes
+# before they expire, so a URL at most a minute old never outlives its credentials.
+URL_REUSE_S, URL_EXPIRES_S = 60.0, 900
+MAX_ERROR_BODY = 1 << 16  # S3 error documents are small; read no more of an odd reply
+# A connection the server dropped (http.client's RemoteDisconnected is a ConnectionResetError)
+_DROPPED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
+# Replies that botocore handles and a presigned URL cannot: the bucket is in another region
+# than the client was made for (botocore's S3RegionRedirector re-signs for the right one),
+# or this host's clock is off (botocore corrects its signing time).
+BOTOCORE_ONLY = {
+    "PermanentRedirect",
+    "TemporaryRedirect",
+    "AuthorizationHeaderMalformed",
+    "AuthorizationQueryParametersError",
+    "IllegalLocationConstraintException",
+    "RequestTimeTooSkewed",
+}
+
+
+class BotocoreOnly(StoreError):
+    """A reply that only botocore's own path handles (see ``BOTOCORE_ONLY``)."""
+
+
+class RangeReader:
+    """Ranged GETs for one botocore S3 client; thread-safe (one connection per thread)."""
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        ssl_context: ssl.SSLContext | None,
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> None:
+        self.client = client
+        self.ssl_context = ssl_context
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self._urls: dict[tuple[str, str], tuple[str, float]] = {}
+        self._urls_lock = threading.Lock()
+        self._local = threading.local()
+        self.connections_opened = 0  # for tests and benchmarks: keep-alive keeps this low
+
+    @classmethod
+    def for_client(cls, client: Any) -> RangeReader | None:
+        """A reader with the client's TLS, timeout and proxy settings, or None where
+        botocore's own path must stay: a proxy applies, a client certificate is set, or the
+        client is not a botocore client whose HTTP settings can be read."""
+        http_session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+        meta = getattr(client, "meta", None)
+        needed = ("_verify", "_proxy_config", "_cert_file")  # botocore's URLLib3Session
+        if meta is None or not all(hasattr(http_session, a) for a in needed):
+            return None
+        endpoint = str(getattr(meta, "endpoint_url", "") or "")
+        if urlsplit(endpoint).scheme not in ("http", "https"):
+            return None
+        if http_session._proxy_config.proxy_url_for(endpoint) or http_session._cert_file:
+            return None  # botocore tunnels through the proxy (see the module docstring)
+        config = meta.config
+        return cls(
+            client,
+            ssl_context=_ssl_context(http_session._verify),
+            connect_timeout=float(config.connect_timeout or 60),
+            read_timeout=float(config.read_timeout or 60),
+        )
+
+    def read_into(self, bucket: str, key: str, start: int, buf: memoryview, what: str) -> int:
+        """Read ``len(buf)`` bytes of ``s3://bucket/key`` from ``start`` into ``buf``; the
+        count read, fewer where the object ends sooner (0 at or past its end). Errors are
+        the ones ``translate_error`` gives for botocore's; a dropped connection reconnects."""
+        if not len(buf):
+            return 0
+        try:
+            url = self._url(bucket, key)
+        except (BotoCoreError, ClientError) as e:  # no usable credentials, say
+            raise _translate(e, what) from None
+        parts = urlsplit(url)
+        target = f"{parts.path or '/'}?{parts.query}"
+        headers = {"Range": f"bytes={start}-{start + len(buf) - 1}"}
+        conn_key = (parts.scheme, parts.netloc)
+        for attempt in range(2):
+            conn, reused = self._connection(conn_key, what)
+            try:
+                conn.request("GET", target, headers=headers)
+                resp = conn.getresponse()
+            except _DROPPED as e:
+                self._drop(conn_key)
+                if reused and attempt == 0:
+                    continue  # the server closed an idle keep-alive connection: once more, anew
+                raise _unreachable(what, e) from None
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(conn_key)
+                raise _unreachable(what, e) from None
+            try:
+                return self._body(resp, start, buf, what, bucket, key)
+            finally:
+                # Reused only when the reply was read to its end and the server keeps it open.
+                if resp.will_close or not resp.isclosed() or resp.length:
+                    self._drop(conn_key)
+        raise AssertionError("unreachable")
+
+    def _body(
+        self,
+        resp: http.client.HTTPResponse,
+        start: int,
+        buf: memoryview,
+        what: str,
+        bucket: str,
+        key: str,
+    ) -> int:
+        status = resp.status
+        if status == 416:  # InvalidRange: at or past the end, nothing there
+            resp.read(MAX_ERROR_BODY)
+            return 0
+        if status not in (200, 206):
+            if status == 403:  # maybe an expired signature: the next attempt signs anew
+                with self._urls_lock:
+                    self._urls.pop((bucket, key), None)
+            code, error = _error(status, resp.read(MAX_ERROR_BODY), what)
+            if code in BOTOCORE_ONLY or status in (301, 307):
+                raise BotocoreOnly(what, f"S3 answered {status} {code}", None)
+            raise error
+        skip = start if status == 200 else 0  # 200: the whole object (a server without ranges)
+        if status == 206:
+            first = (resp.getheader("Content-Range") or "").removeprefix("bytes ").split("-")[0]
+            if first != str(start):
+                raise StoreError(what, f"asked for bytes from {start}, got {first or '?'}", "retry")
+        got = 0
+        try:
+            while skip:
+                n = resp.readinto(buf[: min(skip, len(buf))])
+                if not n:
+                    return 0
+                skip -= n
+            while got < len(buf):
+                n = resp.readinto(buf[got:])
+                if not n:
+                    break
+                got += n
+        except (OSError, http.client.HTTPException) as e:
+            raise _unreachable(what, e) from None
+        if resp.length and got < len(buf):  # the connection ended before Content-Length did
+            raise StoreError(what, f"connection closed after {got} bytes of a range", "retry")
+        return got  # the rest of a longer body (a 200) is dropped with the connection
+
+    def _url(self, bucket: str, key: str) -> str:
+        now = time.monotonic()
+        with self._urls_lock:
+            hit = self._urls.get((bucket, key))
+            if hit is not None and now - hit[1] < URL_REUSE_S:
+                return hit[0]
+        url = self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": key}, ExpiresIn=URL_EXPIRES_S
+        )
+        with self._urls_lock:
+            if len(self._urls) > 4096:
+                self._urls.clear()
+            self._urls[(bucket, key)] = (url, now)
+        return str(url)
+
+    def _connection(
+        self, conn_key: tuple[str, str], what: str
+    ) -> tuple[http.client.HTTPConnection, bool]:
+        """This thread's connection to the endpoint, and whether it served a request before."""
+        conns: dict = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(conn_key)
+        if conn is not None:
+            return conn, True
+        scheme, netloc = conn_key
+        if scheme == "https":
+            conn = http.client.HTTPSConnection(
+                netloc, timeout=self.connect_timeout, context=self.ssl_context
+            )
+        else:
+            conn = http.client.HTTPConnection(netloc, timeout=self.connect_timeout)
+        try:
+            conn.connect()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise _unreachable(what, e) from None
+        assert conn.sock is not None
+        conn.sock.settimeout(self.read_timeout)
+        conns[conn_key] = conn
+        self.connections_opened += 1
+        return conn, False
+
+    def _drop(self, conn_key: tuple[str, str]) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(conn_key, None)
+        if conn is not None:
+            conn.close()
+
+    def close_thread_connections(self) -> None:
+        """Close this thread's connections (they are closed anyway when the thread ends)."""
+        for conn in self._local.__dict__.pop("conns", {}).values():
+            conn.close()
+
+
+def _ssl_context(verify: Any) -> ssl.SSLContext:
+    """TLS as botocore would do it: ``verify`` False skips verification; True uses
+    botocore's CA bundle (certifi's where installed); a path is a CA bundle (or directory)."""
+    if verify is False:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        return context
+    from botocore.httpsession import get_cert_path
+
+    path = get_cert_path(verify)
+    if os.path.isdir(path):
+        return ssl.create_default_context(capath=path)
+    return ssl.create_default_context(cafile=path)
+
+
+def _unreachable(what: str, e: BaseException) -> StoreError:
+    return StoreError(
+        what,
+        f"cannot reach S3: {scrub(str(e)) or type(e).__name__}",
+        "check the network and AWS_ENDPOINT_URL",
+    )
+
+
+def _error(status: int, body: bytes, what: str) -> tuple[str, PipelineError]:
+    """The reply's S3 error code, and the pipeline error that botocore's ClientError for
+    this reply would become."""
+    code, message = "", ""
+    with contextlib.suppress(ElementTree.ParseError, ValueError):
+        root = ElementTree.fromstring(body) if body.strip() else None
+        if root is not None:
+            code = root.findtext("Code") or ""
+            message = root.findtext("Message") or ""
+    error = ClientError(
+        {
+            "Error": {"Code": code or str(status), "Message": message},
+            "ResponseMetadata": {"HTTPStatusCode": status},
+        },
+        "GetObject",
+    )
+    return code, _translate(error, what)
+
+
+def _translate(e: BaseException, what: str) -> PipelineError:
+    from pipeline.store.s3 import translate_error  # s3 imports this module
+
+    return translate_error(e, what)

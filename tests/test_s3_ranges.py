@@ -1,0 +1,328 @@
+"""``Store.read_range_into``: ranged GETs straight into a caller's buffer. On S3 it is the
+lean path (pipeline.store.s3_ranges: presigned by botocore, sent with http.client on a
+keep-alive connection per thread); these tests run it against moto's server, through the
+fault proxy (resets, throttling, cut bodies, dropped keep-alive connections, TLS), and check
+where it must step aside for botocore (a proxy, or when asked)."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import ssl
+import threading
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from pipeline.errors import NotFoundError, StoreError
+from pipeline.install.pull import pull_release, with_retries
+from pipeline.store import open_store
+from pipeline.store.layout import blob_key
+from pipeline.store.s3 import GETS_ENV, S3Store
+from pipeline.store.s3_ranges import RangeReader
+from tests.fault_proxy import FaultProxy
+from tests.release_factory import make_release
+
+PART = 1 << 16
+DATA = os.urandom(3 * PART + 77)
+
+
+def _ranged(method: str, path: str, headers) -> bool:
+    return method == "GET" and "Range" in headers
+
+
+def _s3(url: str, **kw) -> S3Store:
+    """A store on ``url`` (an endpoint: moto's server, or the proxy in front of it)."""
+    store = open_store(f"s3://{kw.pop('bucket')}/p", endpoint_url=url, **kw)
+    assert isinstance(store, S3Store)
+    return store
+
+
+@pytest.fixture
+def seeded(s3_bucket, s3_env):
+    boto3.client("s3").put_object(Bucket=s3_bucket, Key="p/r.bin", Body=DATA)
+    return s3_bucket
+
+
+def test_ranges_fill_the_buffer_like_get_range(store_url):
+    store = open_store(store_url)
+    store.put_bytes("r.bin", DATA)
+    if isinstance(store, S3Store):
+        assert store.ranges is not None  # the lean path, not botocore's
+    buf = bytearray(PART)
+    view = memoryview(buf)
+    for start, n in ((0, 10), (5000, 300), (PART - 7, PART), (len(DATA) - 4, 100)):
+        got = store.read_range_into("r.bin", start, view[:n])
+        assert got == min(n, len(DATA) - start)
+        assert buf[:got] == DATA[start : start + got] == store.get_range("r.bin", start, n)
+    assert store.read_range_into("r.bin", len(DATA) + 10, view[:5]) == 0  # past the end
+    assert store.read_range_into("r.bin", 3, view[:0]) == 0
+    with pytest.raises(NotFoundError):
+        store.read_range_into("absent.bin", 0, view[:1])
+
+
+@pytest.mark.s3
+def test_one_keep_alive_connection_per_thread_and_one_signature_per_key(seeded, s3_env):
+    # moto's server closes every connection; the proxy in front of it keeps them open
+    with FaultProxy(s3_env, lambda *_: False) as proxy:
+        store = _s3(proxy.url, bucket=seeded)
+        signed = []
+        real = store.client.generate_presigned_url
+        store.client.generate_presigned_url = lambda *a, **k: signed.append(1) or real(*a, **k)
+        buf = memoryview(bytearray(PART))
+        for start in range(0, len(DATA), PART):
+            assert store.read_range_into("r.bin", start, buf) == min(PART, len(DATA) - start)
+        assert store.ranges.connections_opened == proxy.connections == 1 and len(signed) == 1
+        other = threading.Thread(target=store.read_range_into, args=("r.bin", 0, buf))
+        other.start()
+        other.join(60)
+        assert store.ranges.connections_opened == proxy.connections == 2  # its own
+
+
+@pytest.mark.s3
+def test_a_dropped_keep_alive_connection_reconnects(seeded, s3_env):
+    """The server closes each connection after its reply, without saying so: the next GET on
+    it fails on the wire and is sent again on a new connection, invisibly."""
+    with FaultProxy(s3_env, _ranged, times=None, keepalive=False, fault="none") as proxy:
+        store = _s3(proxy.url, bucket=seeded)
+        buf = memoryview(bytearray(PART))
+        for start in (0, PART, 2 * PART):
+            assert store.read_range_into("r.bin", start, buf) == PART
+            assert buf == DATA[start : start + PART]
+        assert store.ranges.connections_opened == proxy.connections == 3
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        ("reset", "cannot reach S3"),
+        ("truncate", "connection closed after"),
+        (503, "S3 error SlowDown"),
+        (500, "S3 error InternalError"),
+        (403, r"access denied \(AccessDenied"),
+    ],
+)
+def test_faults_map_to_the_errors_botocore_s_path_gives_and_are_retried(
+    seeded, s3_env, fault, message
+):
+    with FaultProxy(s3_env, _ranged, times=1, fault=fault) as proxy:
+        store = _s3(proxy.url, bucket=seeded)
+        buf = memoryview(bytearray(PART))
+        with pytest.raises(StoreError, match=message) as e:
+            store.read_range_into("r.bin", PART, buf)
+        assert not isinstance(e.value, NotFoundError)
+        # the retry that pull makes goes through, on a connection that works
+        assert with_retries(lambda: store.read_range_into("r.bin", PART, buf), base=0) == PART
+        assert buf == DATA[PART : 2 * PART] and len(proxy.hits) == 1
+
+
+@pytest.mark.s3
+def test_no_credentials_is_the_one_line_error_botocore_s_path_gives(seeded, s3_env, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name)
+    store = _s3(s3_env, bucket=seeded)
+    assert store.ranges is not None
+    with pytest.raises(StoreError, match="no usable AWS credentials"):
+        store.read_range_into("r.bin", 0, memoryview(bytearray(10)))
+
+
+@pytest.mark.s3
+def test_missing_bucket_is_not_found(s3_env):
+    store = _s3(s3_env, bucket="no-such-bucket-here")
+    with pytest.raises(NotFoundError, match="bucket does not exist"):
+        store.read_range_into("k", 0, memoryview(bytearray(10)))
+
+
+@pytest.mark.s3
+def test_pull_lands_every_range_through_resets_and_throttling(s3_store_url, s3_env, tmp_path):
+    """The fault proxy in front of moto: the first ranged GETs are reset, throttled and cut;
+    the pull retries them and installs verified bytes, one buffer per thread."""
+    store = open_store(s3_store_url)
+    data = os.urandom(9 * PART + 5)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    for i, fault in enumerate(("reset", 503, "truncate")):
+        with FaultProxy(s3_env, _ranged, times=2, fault=fault) as proxy:
+            s = open_store(s3_store_url, endpoint_url=proxy.url)
+            buffers: set[int] = set()
+            real = s.read_range_into
+
+            def spy(k, start, buf, real=real, buffers=buffers):
+                if k == key:
+                    buffers.add(id(buf.obj))
+                return real(k, start, buf)
+
+            s.read_range_into = spy
+            r = pull_release(s, "m", tmp_path / f"d{i}", version="v1", part_size=2 * PART,
+                             concurrency=2)  # fmt: skip
+        assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+        assert len(proxy.hits) == 2 and r.refetched_parts == 0
+        assert r.parts == 5 + 1  # ranges of 2 parts, and the config file
+        # ranges landed in the two threads' buffers, never a new one per range
+        assert 1 <= len(buffers) <= 2
+
+
+def test_land_range_reuses_the_thread_buffer_and_refetches_a_bad_part_into_it(tmp_path):
+    """One thread, many ranges: one buffer; a part that arrives corrupt is fetched again,
+    alone, into its place in that buffer."""
+    store = open_store(str(tmp_path / "store"))
+    data = os.urandom(8 * PART)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    seen: list[tuple[int, int, int]] = []
+    real = store.read_range_into
+
+    def part_flaky(k, start, buf):
+        n = real(k, start, buf)
+        if k == key:
+            seen.append((id(buf.obj), start, len(buf)))
+            if start == 2 * PART and not any(s == 3 * PART for _, s, _ in seen):
+                buf[PART + 10] ^= 0xFF  # part 3 of range [2, 4) arrives wrong once
+        return n
+
+    store.read_range_into = part_flaky
+    r = pull_release(store, "m", tmp_path / "e", version="v1", part_size=2 * PART, concurrency=1)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+    assert r.refetched_parts == 1
+    assert (3 * PART, PART) in [(s, n) for _, s, n in seen]  # part 3 alone, again
+    assert len({obj for obj, _, _ in seen}) == 1
+
+
+# --- TLS -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by itself, and its key (PEM files)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()), False)
+        .sign(key, hashes.SHA256())
+    )
+    d = tmp_path_factory.mktemp("tls")
+    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "key.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(d / "cert.pem"), str(d / "key.pem")
+
+
+@pytest.mark.s3
+def test_https_verifies_the_certificate_with_the_client_s_ca_bundle(
+    seeded, s3_env, self_signed, monkeypatch
+):
+    with FaultProxy(s3_env, lambda *_: False, tls=self_signed) as proxy:
+        # No CA bundle that knows the certificate: refused, as botocore would.
+        store = _s3(proxy.url, bucket=seeded)
+        assert store.ranges.ssl_context.verify_mode == ssl.CERT_REQUIRED
+        with pytest.raises(StoreError, match="CERTIFICATE_VERIFY_FAILED"):
+            store.read_range_into("r.bin", 0, memoryview(bytearray(10)))
+        # AWS_CA_BUNDLE (boto3's setting) names it: verified and read.
+        monkeypatch.setenv("AWS_CA_BUNDLE", self_signed[0])
+        store = _s3(proxy.url, bucket=seeded)
+        buf = bytearray(PART)
+        assert store.read_range_into("r.bin", PART, memoryview(buf)) == PART
+        assert buf == DATA[PART : 2 * PART]
+        assert store.get_range("r.bin", 0, 5) == DATA[:5]  # botocore agrees
+    monkeypatch.delenv("AWS_CA_BUNDLE")
+    # verify=False on the client: not verified (botocore's --no-verify-ssl)
+    client = boto3.client("s3", endpoint_url=proxy.url, verify=False)
+    reader = RangeReader.for_client(client)
+    assert reader is not None and reader.ssl_context.verify_mode == ssl.CERT_NONE
+
+
+# --- where botocore's path stays ---------------------------------------------------------
+
+
+@pytest.mark.s3
+def test_a_proxy_in_the_environment_keeps_botocore_s_path(seeded, s3_env, monkeypatch):
+    with FaultProxy(s3_env, _ranged, times=None, fault="none") as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        store = _s3(s3_env, bucket=seeded)
+        assert store.ranges is None
+        buf = bytearray(PART)
+        assert store.read_range_into("r.bin", PART, memoryview(buf)) == PART
+        assert buf == DATA[PART : 2 * PART]
+        assert len(proxy.hits) == 1  # the ranged GET went through the proxy
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")  # not for this endpoint: the lean path
+    assert _s3(s3_env, bucket=seeded).ranges is not None
+
+
+def test_proxies_in_the_client_config_or_the_env_switch_keep_botocore_s_path(monkeypatch):
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    proxied = boto3.client(
+        "s3",
+        region_name="us-east-1",
+        endpoint_url="http://127.0.0.1:9",
+        config=Config(proxies={"http": "http://127.0.0.1:8"}),
+    )
+    assert RangeReader.for_client(proxied) is None
+    plain = boto3.client("s3", region_name="us-east-1", endpoint_url="http://127.0.0.1:9")
+    assert RangeReader.for_client(plain) is not None
+    assert RangeReader.for_client(object()) is None  # not a botocore client: no guessing
+    store = S3Store("b", client=plain)
+    assert store.ranges is not None
+    monkeypatch.setenv(GETS_ENV, "botocore")
+    off = S3Store("b", client=plain)
+    assert off.ranges is None and off.lean_gets is False
+    assert S3Store("b", lean_gets=True, client=plain).ranges is not None  # asked for: on
+
+
+@pytest.mark.s3
+def test_a_region_redirect_hands_the_store_to_botocore_s_path(seeded, s3_env):
+    """A bucket in another region than the client's: botocore re-signs for the right one, a
+    presigned URL cannot. The read goes through botocore's path, and so do later ones."""
+    with FaultProxy(s3_env, _ranged, times=1, fault=301) as proxy:
+        store = _s3(proxy.url, bucket=seeded)
+        buf = bytearray(PART)
+        assert store.read_range_into("r.bin", PART, memoryview(buf)) == PART
+        assert buf == DATA[PART : 2 * PART] and len(proxy.hits) == 1
+        assert store.ranges is None
+
+
+@pytest.mark.s3
+def test_presigned_urls_are_sigv4(seeded, s3_env):
+    store = _s3(s3_env, bucket=seeded)
+    url = store.ranges._url(store.bucket, "p/r.bin")
+    assert "X-Amz-Algorithm=AWS4-HMAC-SHA256" in url and "X-Amz-Signature=" in url
+
+
+def test_local_store_reads_straight_into_the_buffer(tmp_path):
+    store = open_store(str(tmp_path))
+    store.put_bytes("a/b.bin", DATA)
+    buf = bytearray(len(DATA) + 10)
+    assert store.read_range_into("a/b.bin", 0, memoryview(buf)) == len(DATA)
+    assert bytes(buf[: len(DATA)]) == DATA
+    assert Path(tmp_path / "a/b.bin").stat().st_size == len(DATA)
