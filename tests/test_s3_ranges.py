@@ -297,7 +297,13 @@ def test_proxies_in_the_client_config_or_the_env_switch_keep_botocore_s_path(mon
     monkeypatch.setenv(GETS_ENV, "botocore")
     off = S3Store("b", client=plain)
     assert off.ranges is None and off.lean_gets is False
-    assert S3Store("b", lean_gets=True, client=plain).ranges is not None  # asked for: on
+    assert S3Store("b", lean_gets=False, endpoint_url="http://127.0.0.1:9").reopen_kwargs() == {
+        "bucket": "b",
+        "prefix": "",
+        "lean_gets": False,
+        "endpoint_url": "http://127.0.0.1:9",
+        "addressing_style": None,
+    }
 
 
 @pytest.mark.s3

@@ -37,6 +37,15 @@ def pull(
             show_default=False,
         ),
     ] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=64,
+            help="Worker processes landing ranges from S3 (default: 1, this process's threads).",
+            show_default=False,
+        ),
+    ] = None,
     part_size: Annotated[
         str,
         typer.Option(
@@ -69,6 +78,7 @@ def pull(
         concurrency=concurrency,
         part_size=parse_size(part_size, "--part-size"),
         verify=verify,
+        processes=processes,
     )
     if json:
         print_json(result.to_dict())

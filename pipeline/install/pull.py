@@ -4,14 +4,15 @@ manifest → ranged GETs of several files at once → each part checked as it la
 install. See docs/pull.md for the flags, the defaults and why.
 
 * A pool of ``concurrency`` threads takes ranges from one queue, file after file, so small
-  files and the ranges of large ones are all in flight together. A thread reads a range
-  into its own buffer (``Store.read_range_into``: on S3 a ranged GET read by http.client
-  straight into it, pipeline.store.s3_ranges), checks each manifest part there against its
-  sha256, and writes it from there at its offset with ``os.pwrite`` into a preallocated
-  temporary file. Socket reads, hashing and writing release the GIL, and the Python work
-  per range is small (0.06-0.09 s of GIL per GB landed), so one process's threads use every
-  core. Bytes in memory stay at threads × range size: each thread's buffer is allocated
-  once and reused for every range it lands.
+  files and the ranges of large ones are all in flight together. A thread fetches a range,
+  checks each manifest part in it against its sha256 (hashlib releases the GIL, so checks run
+  on every core), and writes it at its offset with ``os.pwrite`` into a preallocated temporary
+  file. Bytes in memory stay below concurrency × range size.
+* On a node with more than 4 CPUs, from S3, those threads hand each range to one of
+  ``processes`` worker processes (``pipeline.install.pull_procs``), which land it the same
+  way with ``land_range``: one process's threads top out near two cores (the GIL). Ranges
+  in flight across all processes stay at most ``concurrency``; everything else (progress,
+  resume, whole-file checks, install) stays here.
 * A bad part (wrong bytes, short read) is fetched again, alone, up to ``PART_RETRIES`` times.
   The whole-file sha256 (the blob's name) is checked where it costs nothing extra (a file of
   one range, hashed in memory), and for every file with ``verify="full"``. Files whose ref has
@@ -42,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 from pipeline._files import FILE_MODE, sha256_file
 from pipeline._progress import ByteProgress, byte_progress
@@ -53,6 +54,9 @@ from pipeline.store.blobs import PART_SIZE, FileRef
 from pipeline.store.layout import blob_key
 from pipeline.store.releases import read_release_bytes, resolve_version
 
+if TYPE_CHECKING:
+    from pipeline.install.pull_procs import WorkerPool
+
 DEFAULT_PART = PART_SIZE  # bytes per ranged GET; rounded to whole manifest parts
 RETRIES = 6  # transport errors (throttling, 5xx, resets) per request
 PART_RETRIES = 3  # re-fetches of one part whose bytes do not match its digest
@@ -62,6 +66,11 @@ FILE_RETRIES = 2  # whole-file re-fetches of a file checked only whole
 # 8 keep a 2-CPU init container's network busy; 32 x 16 MiB = 512 MiB in flight is what an
 # init container's memory limit should hold, and already saturates more than 2 CPUs.
 MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
+# Processes: 1 by default. With ranged GETs read into a per-thread buffer
+# (pipeline.store.s3_ranges), landing a GB holds the GIL for 0.06-0.09 s (cProfile, 16 MiB
+# ranges from nginx; botocore's path held it for 0.44-0.51 s), so one process's threads
+# can land ~11 GB/s before the GIL is the limit, and worker processes cost ~60 MiB each
+# before any data (see docs/pull.md).
 Verify = Literal["parts", "full"]
 T = TypeVar("T")
 
@@ -90,6 +99,10 @@ def default_concurrency(cpus: int | None = None) -> int:
     return max(MIN_CONCURRENCY, min(MAX_CONCURRENCY, THREADS_PER_CPU * cpus))
 
 
+def default_processes(cpus: int | None = None, concurrency: int | None = None) -> int:
+    return 1
+
+
 @dataclass(frozen=True)
 class PullResult:
     model: str
@@ -106,6 +119,9 @@ class PullResult:
     concurrency: int = 0
     part_size: int = 0
     verify: str = "parts"
+    processes: int = 1  # worker processes that landed ranges (1: this process's threads)
+    worker_peak_rss: int = 0  # the sum of the worker processes' peak resident sets
+    worker_parts: int = 0  # ranges landed (or found already there) by worker processes
 
     @property
     def throughput(self) -> float:
@@ -126,10 +142,16 @@ def pull_release(
     concurrency: int | None = None,
     part_size: int = DEFAULT_PART,
     verify: Verify = "parts",
+    processes: int | None = None,
 ) -> PullResult:
-    """Install a release; see the module docstring."""
+    """Install a release; see the module docstring. ``processes`` (default: from the
+    available CPUs) above 1 lands ranges in worker processes, for S3 stores; a local store
+    is read by this process's threads (a file read and a hash release the GIL)."""
     start = time.monotonic()
     concurrency = concurrency or default_concurrency()
+    processes = processes or default_processes(concurrency=concurrency)
+    reopen = getattr(store, "reopen_kwargs", lambda: None)()
+    processes = max(1, min(processes, concurrency)) if reopen is not None else 1
     version = resolve_version(store, model, version, channel)
     manifest, raw = read_release_bytes(store, model, version)
     files = release_files(manifest)  # refuses paths that leave the release directory
@@ -138,7 +160,7 @@ def pull_release(
     total = sum(ref.size for _, ref in files)
     result = PullResult(
         model, version, final, len(files), 0, total, 0.0, True,
-        concurrency=concurrency, part_size=part_size, verify=verify,
+        concurrency=concurrency, part_size=part_size, verify=verify, processes=processes,
     )  # fmt: skip
     if (final / MANIFEST).is_file() and (final / MANIFEST).read_bytes() == raw:
         _point_current(model_dir, version)
@@ -146,7 +168,18 @@ def pull_release(
 
     staging = model_dir / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
-    return _pull_into(store, staging, final, model_dir, files, raw, result, start, part_size)
+    pool = None
+    if processes > 1 and total:  # started now: they boot while the resume check runs
+        from pipeline.install.pull_procs import WorkerPool
+
+        pool = WorkerPool(reopen, processes, -(-concurrency // processes))
+    try:
+        return _pull_into(
+            store, staging, final, model_dir, files, raw, result, start, pool, part_size
+        )
+    finally:
+        if pool is not None:
+            pool.stop()
 
 
 def _pull_into(
@@ -158,6 +191,7 @@ def _pull_into(
     raw: bytes,
     result: PullResult,
     start: float,
+    pool: WorkerPool | None,
     part_size: int,
 ) -> PullResult:
     model, version, concurrency, verify = (
@@ -181,7 +215,7 @@ def _pull_into(
             fetch.append((target, ref))
             fetching.add(ref.sha256)
     reused = total - sum(ref.size for _, ref in fetch)
-    fetcher = _Fetcher(store, concurrency, part_size, verify)
+    fetcher = _Fetcher(store, concurrency, part_size, verify, pool)
     with byte_progress(f"pull {model} {version}", total) as progress:
         progress.advance(reused)
         fetcher.fetch_all(fetch, progress)
@@ -202,6 +236,8 @@ def _pull_into(
         parts=fetcher.parts,
         refetched_parts=fetcher.refetched_parts,
         refetched_files=fetcher.refetched_files,
+        worker_peak_rss=pool.peak_rss if pool is not None else 0,
+        worker_parts=fetcher.by_workers,
     )
 
 
@@ -278,13 +314,16 @@ class _Fetcher:
         concurrency: int,
         part_size: int,
         verify: Verify,
+        pool: WorkerPool | None = None,
     ) -> None:
         self.store = store
+        self.pool = pool  # worker processes that land the ranges; None: these threads do
         self.concurrency = max(1, concurrency)
         self.part_size = max(1 << 16, part_size)
         self.verify = verify
         self.downloaded = self.parts = self.refetched_parts = self.refetched_files = 0
         self.resumed = 0  # bytes of partial files a killed pull left, kept because they verify
+        self.by_workers = 0  # ranges landed by worker processes
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: queue.SimpleQueue[tuple[_File, int, int] | None] = queue.SimpleQueue()
@@ -355,14 +394,18 @@ class _Fetcher:
                     self._idle.notify_all()
 
     def _land(self, f: _File, start: int, length: int) -> None:
-        """Land one range; finish the file if it was the last."""
+        """Land one range (here, or in a worker process); finish the file if it was last."""
         with f.lock, _local_write(f.tmp):
             if f.fd is None:
                 f.fd = os.open(f.tmp, os.O_RDWR) if f.resume else _preallocated(f.tmp, f.ref.size)
         whole = f.ref.parts is None and len(f.ranges) == 1
         job = RangeJob(f.key, f.ref, str(f.tmp), start, length, whole, f.resume)
-        out = land_range(self.store, job, f.fd)
+        out = self.pool.call(job) if self.pool else None
+        by_worker = out is not None
+        if out is None:  # no worker processes, or none ready yet
+            out = land_range(self.store, job, f.fd)
         with self._lock:
+            self.by_workers += by_worker
             if out.resumed:
                 self.resumed += length
             else:
@@ -413,7 +456,7 @@ class _Fetcher:
 @dataclass(frozen=True)
 class RangeJob:
     """One range to land: fetch it, check it, write it at its offset into ``tmp`` (a
-    preallocated temporary file)."""
+    preallocated temporary file). Picklable: a worker process may be the one to land it."""
 
     key: str
     ref: FileRef
@@ -613,6 +656,7 @@ __all__ = [
     "RangeJob",
     "available_cpus",
     "default_concurrency",
+    "default_processes",
     "land_range",
     "pull_release",
     "with_retries",
