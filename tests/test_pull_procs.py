@@ -49,8 +49,11 @@ def _same_as_published(root: Path, store, manifest) -> None:
         assert (root / rel).read_bytes() == store.get_bytes(blob_key(ref.sha256)), rel
 
 
-def test_default_processes_is_one_process_on_every_node():
-    assert [default_processes(c) for c in (1, 2, 4, 16, 192)] == [1] * 5
+def test_default_processes_keep_small_nodes_in_one_process():
+    assert [default_processes(c) for c in (1, 2, 4)] == [1, 1, 1]
+    assert default_processes(16) == 8  # 32 ranges in flight: 4 per process
+    assert default_processes(192) == 8
+    assert default_processes(8, concurrency=8) == 4
 
 
 @pytest.fixture

@@ -42,7 +42,8 @@ def pull(
         typer.Option(
             min=1,
             max=64,
-            help="Worker processes landing ranges from S3 (default: 1, this process's threads).",
+            help="Worker processes landing ranges from S3 (default: 1 up to 4 available "
+            "CPUs, else one per CPU, at most concurrency / 2 and 8).",
             show_default=False,
         ),
     ] = None,

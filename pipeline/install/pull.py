@@ -62,15 +62,17 @@ RETRIES = 6  # transport errors (throttling, 5xx, resets) per request
 PART_RETRIES = 3  # re-fetches of one part whose bytes do not match its digest
 FILE_RETRIES = 2  # whole-file re-fetches of a file checked only whole
 # Concurrency: 4 threads per available CPU, at least 8 and at most 32. Threads mostly wait
-# on the network; the CPU work (socket reads and TLS, sha256, pwrite) releases the GIL.
+# on the network; the CPU work (TLS, botocore, sha256) releases the GIL for large buffers.
 # 8 keep a 2-CPU init container's network busy; 32 x 16 MiB = 512 MiB in flight is what an
 # init container's memory limit should hold, and already saturates more than 2 CPUs.
 MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
-# Processes: 1 by default. With ranged GETs read into a per-thread buffer
-# (pipeline.store.s3_ranges), landing a GB holds the GIL for 0.06-0.09 s (cProfile, 16 MiB
-# ranges from nginx; botocore's path held it for 0.44-0.51 s), so one process's threads
-# can land ~11 GB/s before the GIL is the limit, and worker processes cost ~60 MiB each
-# before any data (see docs/pull.md).
+# Processes: one process's threads top out near two cores (the GIL: botocore reading bodies,
+# the per-range Python work), which is right up to 4 CPUs; above that, one worker process
+# per CPU, at least 2 ranges each, at most 16 (see docs/pull.md for the measurements).
+# At most 8 worker processes: on 16 cores, 8 processes × 4 threads pulled 2.11-2.43 GB/s,
+# against 1.69-1.77 GB/s for 16 × 2 and 1.91-2.06 GB/s for 6, with less memory than 16
+# (bench/RESULTS.md, 2026-12-01).
+SINGLE_PROCESS_CPUS, MAX_PROCESSES = 4, 8
 Verify = Literal["parts", "full"]
 T = TypeVar("T")
 
@@ -100,7 +102,11 @@ def default_concurrency(cpus: int | None = None) -> int:
 
 
 def default_processes(cpus: int | None = None, concurrency: int | None = None) -> int:
-    return 1
+    cpus = available_cpus() if cpus is None else cpus
+    if cpus <= SINGLE_PROCESS_CPUS:
+        return 1
+    concurrency = concurrency or default_concurrency(cpus)
+    return max(1, min(cpus, concurrency // 2, MAX_PROCESSES))
 
 
 @dataclass(frozen=True)
