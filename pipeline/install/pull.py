@@ -66,9 +66,10 @@ FILE_RETRIES = 2  # whole-file re-fetches of a file checked only whole
 # 8 keep a 2-CPU init container's network busy; 32 x 16 MiB = 512 MiB in flight is what an
 # init container's memory limit should hold, and already saturates more than 2 CPUs.
 MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
-# Processes: one process's threads top out near two cores (the GIL: botocore reading bodies,
-# the per-range Python work), which is right up to 4 CPUs; above that, one worker process
-# per CPU, at least 2 ranges each, at most 16 (see docs/pull.md for the measurements).
+# Processes: with botocore's GETs one process's threads topped out near two cores (the GIL),
+# which is right up to 4 CPUs; above that, one worker process per CPU, at least 2 ranges
+# each (see docs/pull.md). Lean GETs hold the GIL ~5x less, so one process may now be
+# enough on many cores too: kept until a many-core run measures it (bench_pull --pulls).
 # At most 8 worker processes: on 16 cores, 8 processes × 4 threads pulled 2.11-2.43 GB/s,
 # against 1.69-1.77 GB/s for 16 × 2 and 1.91-2.06 GB/s for 6, with less memory than 16
 # (bench/RESULTS.md, 2026-12-01).
