@@ -411,6 +411,8 @@ class _Fetcher:
         by_worker = out is not None
         if out is None:  # no worker processes, or none ready yet
             out = land_range(self.store, job, f.fd)
+            if self.pool:  # the workers land the rest: keep no buffer here besides theirs
+                release_buffer()
         with self._lock:
             self.by_workers += by_worker
             if out.resumed:
@@ -527,6 +529,11 @@ def _buffer(n: int) -> memoryview:
     if buf is None or len(buf) < n:
         _THREAD.buf = buf = bytearray(n)
     return memoryview(buf)[:n]
+
+
+def release_buffer() -> None:
+    """Free this thread's landing buffer (a thread that lands no more ranges)."""
+    _THREAD.__dict__.pop("buf", None)
 
 
 def _parts_of(ref: FileRef, start: int, length: int) -> range:
