@@ -324,7 +324,11 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 print(f"{first} is {rows[label] / rows[first]:.2f}× {label} (higher is faster)")
                 shape.setdefault("first_pull_vs", {})[label] = rows[label] / rows[first]
         shape["gil_s_per_gb"] = {}
-        for label, gets in args.pulls:
+        done: set[str] = set()
+        for label, gets, _ in args.pulls:
+            if gets in done:  # one thread's figure: the same for any number of processes
+                continue
+            done.add(gets)
             held = gil_held_per_gb(refs, gets, root / "gil.bin")
             shape["gil_s_per_gb"][label] = held
             print(

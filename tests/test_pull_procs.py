@@ -187,3 +187,19 @@ def test_killing_the_pull_ends_its_workers_and_a_rerun_resumes(s3_store_url, s3_
                      processes=2)  # fmt: skip
     assert r.reused_bytes > 0  # parts the killed pull verified were kept
     _same_as_published(dest / "m/current", store, m)
+
+
+def test_the_pull_process_lands_at_most_a_few_ranges_itself_while_workers_start():
+    """While no worker is ready, a range is left to the caller only up to LOCAL_LANDERS at
+    a time (its buffers stay small beside the workers'); the next caller waits for a worker
+    (here there is none, so it fails), and a landed range frees a slot."""
+    from pipeline.errors import PipelineError
+    from pipeline.install import pull_procs
+
+    pool = pull_procs.WorkerPool({}, processes=0, threads=4)
+    n = pull_procs.LOCAL_LANDERS
+    assert [pool.call(None) for _ in range(n)] == [None] * n
+    with pytest.raises(PipelineError, match="all exited before starting"):
+        pool.call(None)
+    pool.landed_here()
+    assert pool.call(None) is None

@@ -409,10 +409,14 @@ class _Fetcher:
         job = RangeJob(f.key, f.ref, str(f.tmp), start, length, whole, f.resume)
         out = self.pool.call(job) if self.pool else None
         by_worker = out is not None
-        if out is None:  # no worker processes, or none ready yet
+        if out is None and self.pool is None:
             out = land_range(self.store, job, f.fd)
-            if self.pool:  # the workers land the rest: keep no buffer here besides theirs
+        elif out is None:  # no worker ready yet: land it here, then free the buffer
+            try:
+                out = land_range(self.store, job, f.fd)
+            finally:
                 release_buffer()
+                self.pool.landed_here()
         with self._lock:
             self.by_workers += by_worker
             if out.resumed:

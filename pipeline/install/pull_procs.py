@@ -41,6 +41,10 @@ STOP_S = 2.0  # how long stopping waits for workers to exit before SIGKILL
 # While no worker is ready, the caller lands a range itself (tests turn this off to make
 # the workers land every range).
 LAND_WHILE_STARTING = True
+# At most this many ranges are landed by the pull process itself at a time (while the
+# workers start): its buffers then stay a few ranges, not concurrency × range size on top
+# of the workers'.
+LOCAL_LANDERS = 4
 # The directory holding the ``pipeline`` package, so workers import the same code.
 _ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -123,6 +127,7 @@ class WorkerPool:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._stopped = False
+        self._local = 0  # ranges the pull process is landing itself now
         self.workers: list[_Worker] = []
         try:
             for _ in range(processes):
@@ -138,6 +143,11 @@ class WorkerPool:
             self.stop()
             raise
 
+    def landed_here(self) -> None:
+        """A range that ``call`` left to the caller has landed (or failed)."""
+        with self._lock:
+            self._local -= 1
+
     @property
     def peak_rss(self) -> int:
         """The sum of the workers' peak resident sets."""
@@ -146,7 +156,8 @@ class WorkerPool:
     def call(self, job: Any) -> Any:
         """Land ``job`` on the least busy worker; its answer, or its error raised here.
         None while no worker is ready with a free thread (they are still starting: a second
-        or so of imports): the caller lands it itself meanwhile."""
+        or so of imports) and fewer than ``LOCAL_LANDERS`` ranges are being landed here:
+        the caller lands it itself meanwhile, then calls ``landed_here``."""
         while True:
             with self._lock:
                 if self._stopped:
@@ -159,8 +170,9 @@ class WorkerPool:
                     fut: Future = Future()
                     w.pending[job_id] = fut
                     break
-            if LAND_WHILE_STARTING:
-                return None
+                if LAND_WHILE_STARTING and self._local < LOCAL_LANDERS:
+                    self._local += 1
+                    return None
             if all(w.proc.poll() is not None for w in self.workers):
                 raise PipelineError("pull worker processes", "all exited before starting")
             time.sleep(0.01)
