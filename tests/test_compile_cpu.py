@@ -37,9 +37,12 @@ def hf_last_logits(model, seqs: list[list[int]]) -> torch.Tensor:
         return torch.stack([model(torch.tensor([s])).logits[0, -1] for s in seqs])
 
 
-def check_against_hf(prefill, decode, hf, seqs, seq_len, cache, device="cpu"):
+def check_against_hf(
+    prefill, decode, hf, seqs, seq_len, cache, device="cpu", attend_prefix: bool = True
+):
     """Right-pad ``seqs`` into [B, seq_len], prefill, then STEPS greedy decode steps; every
-    step's logits must match Hugging Face run on the unpadded sequences."""
+    step's logits must match Hugging Face run on the unpadded sequences. ``attend_prefix``
+    false: the decode graph attends the whole bucket (GraphSpec.attend_prefix)."""
     seqs = [list(s) for s in seqs]
     tokens = torch.zeros((len(seqs), seq_len), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -59,7 +62,7 @@ def check_against_hf(prefill, decode, hf, seqs, seq_len, cache, device="cpu"):
         for s, t in zip(seqs, nxt.tolist(), strict=True):
             s.append(t)
         # attend the tightest prefix: a new length every step, one compiled graph
-        keys = torch.arange(int(positions.max()) + 1, device=device)
+        keys = torch.arange(int(positions.max()) + 1 if attend_prefix else seq_len, device=device)
         logits, nxt = decode(nxt[:, None].to(device), positions.to(device), *cache, keys)
     assert worst <= ATOL, worst
     return worst
@@ -184,7 +187,14 @@ def test_cuda_bucket_reproduces_hugging_face(tiny_checkpoint, write_config, hf_t
     assert graphs.spec.device == "cuda"
     seqs = prompts_for(2, 64, graphs.spec.vocab)
     check_against_hf(
-        graphs.prefill, graphs.decode, hf_tiny, seqs, 64, graphs.new_cache(), device="cuda"
+        graphs.prefill,
+        graphs.decode,
+        hf_tiny,
+        seqs,
+        64,
+        graphs.new_cache(),
+        device="cuda",
+        attend_prefix=graphs.spec.attend_prefix,  # fp32 on an H200: false (the whole bucket)
     )
 
 
@@ -254,3 +264,21 @@ def test_decode_attends_the_whole_bucket_when_its_length_cannot_be_dynamic(
     spec = GraphSpec.read(out)
     assert not spec.attend_prefix and spec.key_tiers == (16,)
     assert GraphSpec(1, 2048, 2, 2, 8, 512, "float32", "cpu").key_tiers[:2] == (64, 128)
+
+
+def test_decode_refuses_key_positions_its_graph_was_not_built_for():
+    """AOTInductor does not check input shapes: a static decode graph given fewer key
+    positions than its bucket would read past them, so BucketGraphs refuses that length."""
+    from pipeline.runtime.graph_abi import _checked_key_positions
+
+    static = GraphSpec(1, 16, 2, 2, 8, 512, "float32", "cpu", attend_prefix=False)
+    dynamic = GraphSpec(1, 16, 2, 2, 8, 512, "float32", "cpu")
+    ran = _checked_key_positions(lambda *args: "ran", static)
+    assert ran(None, torch.arange(16)) == "ran"
+    with pytest.raises(ValueError, match=r"length 15: this decode graph takes 16\.\.16"):
+        ran(None, torch.arange(15))
+    ran = _checked_key_positions(lambda *args: "ran", dynamic)
+    assert [ran(None, torch.arange(n)) for n in (2, 9, 16)] == ["ran"] * 3
+    for n in (1, 17):
+        with pytest.raises(ValueError, match=rf"length {n}: this decode graph takes 2\.\.16"):
+            ran(None, torch.arange(n))

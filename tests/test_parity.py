@@ -157,6 +157,23 @@ def test_prompt_lengths_cover_one_token_half_and_the_longest_that_fits():
     assert prompt_lengths(4, 1) == [1, 2, 3]
 
 
+def test_half_precision_compares_enough_rows_for_its_top1_share_to_mean_something():
+    """A top-1 share below 100% is a rate: a b1 bucket's 3 prompts (27 rows) would fail a
+    94%-agreeing release one time in five, so half precision checks at least 256 rows."""
+    from pipeline.parity.check import make_prompts
+
+    def rows(batch: int, dtype: str) -> int:
+        tol = TOLERANCES[dtype]
+        batches = list(make_prompts("b", batch, 64, 8, 512, 0, tol.min_rows))
+        assert all(len(prompts) == batch for prompts in batches)
+        assert {len(p) for prompts in batches for p in prompts} == set(prompt_lengths(64, 8))
+        return len(batches) * batch * 9
+
+    assert rows(1, "float32") == 27  # exact agreement: every row must match, 3 prompts do
+    assert rows(1, "bfloat16") == 261 and rows(1, "float16") == 261  # 29 prompts
+    assert rows(8, "bfloat16") == 288 and rows(32, "bfloat16") == 288  # one batch of 32
+
+
 def test_tolerance_follows_the_dtype_and_neurons_auto_cast():
     class M:
         def __init__(self, backend, dtype, cast):

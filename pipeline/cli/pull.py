@@ -37,16 +37,6 @@ def pull(
             show_default=False,
         ),
     ] = None,
-    processes: Annotated[
-        int | None,
-        typer.Option(
-            min=1,
-            max=64,
-            help="Worker processes landing ranges from S3 (default: 1 up to 4 available "
-            "CPUs, else one per CPU, at most concurrency / 2 and 8).",
-            show_default=False,
-        ),
-    ] = None,
     part_size: Annotated[
         str,
         typer.Option(
@@ -79,7 +69,6 @@ def pull(
         concurrency=concurrency,
         part_size=parse_size(part_size, "--part-size"),
         verify=verify,
-        processes=processes,
     )
     if json:
         print_json(result.to_dict())

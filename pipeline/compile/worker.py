@@ -10,7 +10,7 @@ With ``--parent PID`` (the runner always passes its pid) the worker dies with th
 however the runner dies (SIGKILL, OOM kill): the kernel sends it ``PARENT_DEATH_SIGNAL``
 (``PR_SET_PDEATHSIG``, Linux), and a thread watching ``getppid()`` backs that up; either
 SIGKILLs the worker's process group, so the compilers it started end with it
-(``pipeline._procs``, shared with pull's worker processes).
+(``pipeline._procs``).
 """
 
 from __future__ import annotations

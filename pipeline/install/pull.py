@@ -8,11 +8,10 @@ install. See docs/pull.md for the flags, the defaults and why.
   checks each manifest part in it against its sha256 (hashlib releases the GIL, so checks run
   on every core), and writes it at its offset with ``os.pwrite`` into a preallocated temporary
   file. Bytes in memory stay below concurrency × range size.
-* On a node with more than 4 CPUs, from S3, those threads hand each range to one of
-  ``processes`` worker processes (``pipeline.install.pull_procs``), which land it the same
-  way with ``land_range``: one process's threads top out near two cores (the GIL). Ranges
-  in flight across all processes stay at most ``concurrency``; everything else (progress,
-  resume, whole-file checks, install) stays here.
+* One process: its threads hold the GIL about 0.04-0.05 s per GB landed (the bytes go
+  from the socket into the buffer, through sha256 and into the file without it), so one
+  process is not GIL-bound below ~20 GB/s. Worker processes were measured on 16 cores
+  and gave nothing but memory (docs/pull.md).
 * A bad part (wrong bytes, short read) is fetched again, alone, up to ``PART_RETRIES`` times.
   The whole-file sha256 (the blob's name) is checked where it costs nothing extra (a file of
   one range, hashed in memory), and for every file with ``verify="full"``. Files whose ref has
@@ -43,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import Literal, TypeVar
 
 from pipeline._files import FILE_MODE, sha256_file
 from pipeline._progress import ByteProgress, byte_progress
@@ -54,9 +53,6 @@ from pipeline.store.blobs import PART_SIZE, FileRef
 from pipeline.store.layout import blob_key
 from pipeline.store.releases import read_release_bytes, resolve_version
 
-if TYPE_CHECKING:
-    from pipeline.install.pull_procs import WorkerPool
-
 DEFAULT_PART = PART_SIZE  # bytes per ranged GET; rounded to whole manifest parts
 RETRIES = 6  # transport errors (throttling, 5xx, resets) per request
 PART_RETRIES = 3  # re-fetches of one part whose bytes do not match its digest
@@ -66,14 +62,6 @@ FILE_RETRIES = 2  # whole-file re-fetches of a file checked only whole
 # 8 keep a 2-CPU init container's network busy; 32 x 16 MiB = 512 MiB in flight is what an
 # init container's memory limit should hold, and already saturates more than 2 CPUs.
 MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
-# Processes: with botocore's GETs one process's threads topped out near two cores (the GIL),
-# which is right up to 4 CPUs; above that, one worker process per CPU, at least 2 ranges
-# each (see docs/pull.md). Lean GETs hold the GIL ~5x less, so one process may now be
-# enough on many cores too: kept until a many-core run measures it (bench_pull --pulls).
-# At most 8 worker processes: on 16 cores, 8 processes × 4 threads pulled 2.11-2.43 GB/s,
-# against 1.69-1.77 GB/s for 16 × 2 and 1.91-2.06 GB/s for 6, with less memory than 16
-# (bench/RESULTS.md, 2026-12-01).
-SINGLE_PROCESS_CPUS, MAX_PROCESSES = 4, 8
 Verify = Literal["parts", "full"]
 T = TypeVar("T")
 
@@ -102,14 +90,6 @@ def default_concurrency(cpus: int | None = None) -> int:
     return max(MIN_CONCURRENCY, min(MAX_CONCURRENCY, THREADS_PER_CPU * cpus))
 
 
-def default_processes(cpus: int | None = None, concurrency: int | None = None) -> int:
-    cpus = available_cpus() if cpus is None else cpus
-    if cpus <= SINGLE_PROCESS_CPUS:
-        return 1
-    concurrency = concurrency or default_concurrency(cpus)
-    return max(1, min(cpus, concurrency // 2, MAX_PROCESSES))
-
-
 @dataclass(frozen=True)
 class PullResult:
     model: str
@@ -126,9 +106,6 @@ class PullResult:
     concurrency: int = 0
     part_size: int = 0
     verify: str = "parts"
-    processes: int = 1  # worker processes that landed ranges (1: this process's threads)
-    worker_peak_rss: int = 0  # the sum of the worker processes' peak resident sets
-    worker_parts: int = 0  # ranges landed (or found already there) by worker processes
 
     @property
     def throughput(self) -> float:
@@ -149,16 +126,10 @@ def pull_release(
     concurrency: int | None = None,
     part_size: int = DEFAULT_PART,
     verify: Verify = "parts",
-    processes: int | None = None,
 ) -> PullResult:
-    """Install a release; see the module docstring. ``processes`` (default: from the
-    available CPUs) above 1 lands ranges in worker processes, for S3 stores; a local store
-    is read by this process's threads (a file read and a hash release the GIL)."""
+    """Install a release; see the module docstring."""
     start = time.monotonic()
     concurrency = concurrency or default_concurrency()
-    processes = processes or default_processes(concurrency=concurrency)
-    reopen = getattr(store, "reopen_kwargs", lambda: None)()
-    processes = max(1, min(processes, concurrency)) if reopen is not None else 1
     version = resolve_version(store, model, version, channel)
     manifest, raw = read_release_bytes(store, model, version)
     files = release_files(manifest)  # refuses paths that leave the release directory
@@ -167,7 +138,7 @@ def pull_release(
     total = sum(ref.size for _, ref in files)
     result = PullResult(
         model, version, final, len(files), 0, total, 0.0, True,
-        concurrency=concurrency, part_size=part_size, verify=verify, processes=processes,
+        concurrency=concurrency, part_size=part_size, verify=verify,
     )  # fmt: skip
     if (final / MANIFEST).is_file() and (final / MANIFEST).read_bytes() == raw:
         _point_current(model_dir, version)
@@ -175,18 +146,7 @@ def pull_release(
 
     staging = model_dir / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
-    pool = None
-    if processes > 1 and total:  # started now: they boot while the resume check runs
-        from pipeline.install.pull_procs import WorkerPool
-
-        pool = WorkerPool(reopen, processes, -(-concurrency // processes))
-    try:
-        return _pull_into(
-            store, staging, final, model_dir, files, raw, result, start, pool, part_size
-        )
-    finally:
-        if pool is not None:
-            pool.stop()
+    return _pull_into(store, staging, final, model_dir, files, raw, result, start, part_size)
 
 
 def _pull_into(
@@ -198,7 +158,6 @@ def _pull_into(
     raw: bytes,
     result: PullResult,
     start: float,
-    pool: WorkerPool | None,
     part_size: int,
 ) -> PullResult:
     model, version, concurrency, verify = (
@@ -222,7 +181,7 @@ def _pull_into(
             fetch.append((target, ref))
             fetching.add(ref.sha256)
     reused = total - sum(ref.size for _, ref in fetch)
-    fetcher = _Fetcher(store, concurrency, part_size, verify, pool)
+    fetcher = _Fetcher(store, concurrency, part_size, verify)
     with byte_progress(f"pull {model} {version}", total) as progress:
         progress.advance(reused)
         fetcher.fetch_all(fetch, progress)
@@ -243,8 +202,6 @@ def _pull_into(
         parts=fetcher.parts,
         refetched_parts=fetcher.refetched_parts,
         refetched_files=fetcher.refetched_files,
-        worker_peak_rss=pool.peak_rss if pool is not None else 0,
-        worker_parts=fetcher.by_workers,
     )
 
 
@@ -321,16 +278,13 @@ class _Fetcher:
         concurrency: int,
         part_size: int,
         verify: Verify,
-        pool: WorkerPool | None = None,
     ) -> None:
         self.store = store
-        self.pool = pool  # worker processes that land the ranges; None: these threads do
         self.concurrency = max(1, concurrency)
         self.part_size = max(1 << 16, part_size)
         self.verify = verify
         self.downloaded = self.parts = self.refetched_parts = self.refetched_files = 0
         self.resumed = 0  # bytes of partial files a killed pull left, kept because they verify
-        self.by_workers = 0  # ranges landed by worker processes
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._queue: queue.SimpleQueue[tuple[_File, int, int] | None] = queue.SimpleQueue()
@@ -401,24 +355,14 @@ class _Fetcher:
                     self._idle.notify_all()
 
     def _land(self, f: _File, start: int, length: int) -> None:
-        """Land one range (here, or in a worker process); finish the file if it was last."""
+        """Land one range; finish the file if it was last."""
         with f.lock, _local_write(f.tmp):
             if f.fd is None:
                 f.fd = os.open(f.tmp, os.O_RDWR) if f.resume else _preallocated(f.tmp, f.ref.size)
         whole = f.ref.parts is None and len(f.ranges) == 1
         job = RangeJob(f.key, f.ref, str(f.tmp), start, length, whole, f.resume)
-        out = self.pool.call(job) if self.pool else None
-        by_worker = out is not None
-        if out is None and self.pool is None:
-            out = land_range(self.store, job, f.fd)
-        elif out is None:  # no worker ready yet: land it here, then free the buffer
-            try:
-                out = land_range(self.store, job, f.fd)
-            finally:
-                release_buffer()
-                self.pool.landed_here()
+        out = land_range(self.store, job, f.fd)
         with self._lock:
-            self.by_workers += by_worker
             if out.resumed:
                 self.resumed += length
             else:
@@ -469,7 +413,7 @@ class _Fetcher:
 @dataclass(frozen=True)
 class RangeJob:
     """One range to land: fetch it, check it, write it at its offset into ``tmp`` (a
-    preallocated temporary file). Picklable: a worker process may be the one to land it."""
+    preallocated temporary file)."""
 
     key: str
     ref: FileRef
@@ -533,11 +477,6 @@ def _buffer(n: int) -> memoryview:
     if buf is None or len(buf) < n:
         _THREAD.buf = buf = bytearray(n)
     return memoryview(buf)[:n]
-
-
-def release_buffer() -> None:
-    """Free this thread's landing buffer (a thread that lands no more ranges)."""
-    _THREAD.__dict__.pop("buf", None)
 
 
 def _parts_of(ref: FileRef, start: int, length: int) -> range:
@@ -674,7 +613,6 @@ __all__ = [
     "RangeJob",
     "available_cpus",
     "default_concurrency",
-    "default_processes",
     "land_range",
     "pull_release",
     "with_retries",

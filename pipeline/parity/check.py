@@ -50,14 +50,21 @@ DEFAULT_STEPS = 8
 class Tolerance:
     max_rel: float  # max |Δ logit| ÷ max |reference logit| of that row
     min_top1: float  # share of compared logit rows whose top-1 token agrees
+    # Compare at least this many logit rows (more prompts where the batch is small): a top-1
+    # share below 100% is a rate, and over the 27 rows of a b1 bucket it is noise.
+    min_rows: int = 0
 
 
 # fp32 differs only in summation order (measured ~1e-6 relative). Half precision differs in
 # every rounding: on random-weight models we measured ~1.2% relative for bf16, ~0.15% for fp16.
+# Half precision's top-1 share is a rate. A release that agrees on 94% of rows (bf16,
+# Llama-3.2-1B shape, random weights, pooled over 11 buckets on an H200) misses the 90% bar by
+# chance in 20% of 27-row checks (a b1 bucket: 3 prompts x 9 rows), 5.7% of 72-row ones, and
+# 0.4% of 256-row ones (binomial).
 TOLERANCES = {
     "float32": Tolerance(max_rel=1e-4, min_top1=1.0),
-    "float16": Tolerance(max_rel=1e-2, min_top1=0.98),
-    "bfloat16": Tolerance(max_rel=5e-2, min_top1=0.9),
+    "float16": Tolerance(max_rel=1e-2, min_top1=0.98, min_rows=256),
+    "bfloat16": Tolerance(max_rel=5e-2, min_top1=0.9, min_rows=256),
 }
 # Neuron's --auto_cast_type lowers matmul precision below the weights' dtype. (optimum-neuron
 # decoder exports ignore it and compile with --auto-cast=none: modeling_decoder.py:418-432;
@@ -141,7 +148,9 @@ class ParityReport:
             f"filling its batch; N = {self.steps} decode steps, teacher-forced on the "
             "reference's greedy tokens; plus N+1 free-running greedy tokens",
             f"- Tolerances ({self.tolerance_dtype}): max relative logit error ≤ {t.max_rel:g} "
-            f"(|Δ| ÷ the row's max |reference logit|), top-1 agreement ≥ {t.min_top1:.0%}, "
+            f"(|Δ| ÷ the row's max |reference logit|), top-1 agreement ≥ {t.min_top1:.0%}"
+            + (f" over at least {t.min_rows} rows" if t.min_rows else "")
+            + ", "
             "greedy tokens equal except after a near-tie (the reference's margin between the "
             f"two tokens ≤ 2 × {t.max_rel:g} × max |logit|)",
             *(
@@ -253,16 +262,18 @@ def prompt_lengths(seq: int, steps: int) -> list[int]:
 
 
 def make_prompts(
-    bucket: str, batch: int, seq: int, steps: int, vocab: int, seed: int
+    bucket: str, batch: int, seq: int, steps: int, vocab: int, seed: int, min_rows: int = 0
 ) -> Iterator[list[list[int]]]:
     """Batches of ``batch`` seeded prompts whose lengths cycle through ``prompt_lengths``;
-    enough batches that every length appears."""
+    enough batches that every length appears and that the prompts give at least
+    ``min_rows`` logit rows (``steps + 1`` each)."""
     import torch
 
     lengths = prompt_lengths(seq, steps)
     g = torch.Generator().manual_seed(seed * 1_000_003 + _stable_hash(bucket))
     low = 3 if vocab > 3 else 0  # keep clear of the usual pad/bos/eos ids
-    for first in range(0, len(lengths), batch):
+    prompts = max(len(lengths), -(-min_rows // (steps + 1)))
+    for first in range(0, prompts, batch):
         rows = [lengths[(first + i) % len(lengths)] for i in range(batch)]
         yield [torch.randint(low, vocab, (n,), generator=g).tolist() for n in rows]
 
@@ -275,7 +286,7 @@ def _check_bucket(
     steps = min(steps, run.seq - 1)
     out = BucketParity(name, prompt_lengths(run.seq, steps))
     agree = near = exact = 0
-    for prompts in make_prompts(name, run.batch, run.seq, steps, ref.vocab, seed):
+    for prompts in make_prompts(name, run.batch, run.seq, steps, ref.vocab, seed, tol.min_rows):
         expected = [ref.greedy(p, steps) for p in prompts]  # (tokens [N+1], logits [N+1, V])
         ref_tokens = torch.tensor([t for t, _ in expected])  # [B, N+1]
         ref_logits = torch.stack([lg for _, lg in expected])  # [B, N+1, V]

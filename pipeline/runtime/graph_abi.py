@@ -268,7 +268,27 @@ class BucketGraphs:
         self.weights = weights or load_weights(self.dir / WEIGHTS_FILE, self.device)
         args = (self.weights, self.spec, self.device)
         self.prefill = load_graph(self.dir / PREFILL_FILE, *args, single_threaded=single_threaded)
-        self.decode = load_graph(self.dir / DECODE_FILE, *args, single_threaded=single_threaded)
+        self.decode = _checked_key_positions(
+            load_graph(self.dir / DECODE_FILE, *args, single_threaded=single_threaded), self.spec
+        )
 
     def new_cache(self) -> tuple[Any, Any]:
         return new_cache(self.spec, self.device)
+
+
+def _checked_key_positions(decode: Any, spec: GraphSpec) -> Any:
+    """``decode`` refusing a key_positions length it was not built for: AOTInductor does not
+    check input shapes, so a static graph (``attend_prefix`` false) given fewer positions
+    would read past the end of them."""
+    low = 2 if spec.attend_prefix else spec.seq
+
+    def checked(*args: Any) -> Any:
+        n = args[-1].shape[0]
+        if not low <= n <= spec.seq:
+            raise ValueError(
+                f"key_positions of length {n}: this decode graph takes {low}..{spec.seq} "
+                "(GraphSpec.key_tiers lists the lengths to use)"
+            )
+        return decode(*args)
+
+    return checked

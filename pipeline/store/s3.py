@@ -205,25 +205,11 @@ class S3Store(Store):
         self._client_kw = {"endpoint_url": endpoint_url, "addressing_style": addressing_style}
         self.client = client or client_factory("s3", **self._client_kw)
         self.transfer = transfer_config
-        self._reopenable = client is None and client_factory is make_client
         if lean_gets is None:
             lean_gets = os.environ.get(GETS_ENV, "lean") != "botocore"
         self.lean_gets = lean_gets
         # None: botocore's path (asked for, a proxy, or a client whose settings are unknown)
         self.ranges = RangeReader.for_client(self.client) if lean_gets else None
-
-    def reopen_kwargs(self) -> dict[str, Any] | None:
-        """Keyword arguments that open this store again in another process (its own
-        client: a boto3 client must not cross a process boundary), or None where it was
-        given a client or factory of its own (tests' fakes) that cannot travel."""
-        if not self._reopenable:
-            return None
-        return {
-            "bucket": self.bucket,
-            "prefix": self.prefix,
-            "lean_gets": self.lean_gets,
-            **self._client_kw,
-        }
 
     @classmethod
     def from_url(cls, url: str, **kw: Any) -> S3Store:
