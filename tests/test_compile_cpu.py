@@ -282,3 +282,8 @@ def test_decode_refuses_key_positions_its_graph_was_not_built_for():
     for n in (1, 17):
         with pytest.raises(ValueError, match=rf"length {n}: this decode graph takes 2\.\.16"):
             ran(None, torch.arange(n))
+    one = GraphSpec(1, 1, 2, 2, 8, 512, "float32", "cpu")  # too short for a dynamic length
+    assert (
+        one.key_tiers == (1,)
+        and _checked_key_positions(lambda *a: "ran", one)(None, torch.arange(1)) == "ran"
+    )

@@ -280,7 +280,7 @@ def _checked_key_positions(decode: Any, spec: GraphSpec) -> Any:
     """``decode`` refusing a key_positions length it was not built for: AOTInductor does not
     check input shapes, so a static graph (``attend_prefix`` false) given fewer positions
     would read past the end of them."""
-    low = 2 if spec.attend_prefix else spec.seq
+    low = 2 if spec.attend_prefix and spec.seq > 2 else spec.seq  # as in key_tiers
 
     def checked(*args: Any) -> Any:
         n = args[-1].shape[0]
