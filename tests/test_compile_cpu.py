@@ -87,7 +87,13 @@ def test_every_compiled_bucket_reproduces_hugging_face(compiled_store, hf_tiny):
         assert graphs.spec.kv_heads == 4  # 2 KV heads replicated for tp 4
         seqs = prompts_for(bucket.batch, bucket.seq, graphs.spec.vocab)
         check_against_hf(
-            graphs.prefill, graphs.decode, hf_tiny, seqs, bucket.seq, graphs.new_cache()
+            graphs.prefill,
+            graphs.decode,
+            hf_tiny,
+            seqs,
+            bucket.seq,
+            graphs.new_cache(),
+            attend_prefix=graphs.spec.attend_prefix,
         )
 
 

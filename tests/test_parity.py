@@ -159,7 +159,7 @@ def test_prompt_lengths_cover_one_token_half_and_the_longest_that_fits():
 
 def test_half_precision_compares_enough_rows_for_its_top1_share_to_mean_something():
     """A top-1 share below 100% is a rate: a b1 bucket's 3 prompts (27 rows) would fail a
-    94%-agreeing release one time in five, so half precision checks at least 256 rows."""
+    94.2%-agreeing release one time in five, so half precision checks at least 256 rows."""
     from pipeline.parity.check import make_prompts
 
     def rows(batch: int, dtype: str) -> int:
