@@ -140,6 +140,16 @@ if sys.argv[4] == "stages":  # wall seconds inside each call that releases the G
     pull.hashlib = type("H", (), {"sha256": staticmethod(timed("sha256", hashlib.sha256))})
     pull.os.pwrite = timed("pwrite", pull.os.pwrite)
     pull._read = timed("ranged GETs (reads included)", pull._read)
+if sys.argv[4] == "unverified":  # diagnostic: the transport alone, every digest taken as equal
+    class Equal(str):
+        __hash__ = str.__hash__
+        def __eq__(self, other): return True
+        def __ne__(self, other): return False
+    class NoHash:
+        def __init__(self, data=b""): pass
+        def update(self, data): pass
+        def hexdigest(self): return Equal()
+    pull.hashlib = type("H", (), {"sha256": NoHash})
 c = int(sys.argv[3]) or None  # 0: pull's default
 t = time.perf_counter()
 store = S3Store.from_url(sys.argv[1])
@@ -270,17 +280,17 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
 
         pulls: dict[str, list[dict]] = {}
 
-        def pull(label: str, gets: str, concurrency: int, stages: bool = False) -> dict:
+        def pull(label: str, gets: str, concurrency: int, mode: str = "-") -> dict:
+            # mode: "-" the pull as it is; "stages" timing calls; "unverified" no sha256
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
-                 str(root / "pulled"), str(concurrency or args.concurrency),
-                 "stages" if stages else "-"],
+                 str(root / "pulled"), str(concurrency or args.concurrency), mode],
                 check=True, capture_output=True, text=True,
                 cwd=Path(__file__).resolve().parent.parent,
                 env={**os.environ, **env, GETS_ENV: gets},
             )  # fmt: skip
             result = json.loads(out.stdout)
-            if not stages:
+            if mode == "-":
                 pulls.setdefault(label, []).append(result)
             return result
 
@@ -343,8 +353,17 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             )
         for label, gets, concurrency in args.pulls:
             # One more run, each call that releases the GIL timed: where the threads wait.
-            staged = pull(label, gets, concurrency, stages=True)
+            staged = pull(label, gets, concurrency, mode="stages")
             shutil.rmtree(root / "pulled")
+            # And the transport alone, sha256 skipped (best of two): what hashing costs.
+            unverified = partial(pull, label, gets, concurrency, "unverified")
+            bare = min(_run(unverified, root / "pulled") for _ in range(2))
+            shape["pulls"][label]["unverified_gb_per_s"] = gb / bare[0]
+            print(
+                f"{label}: without sha256 (diagnostic) {gb / bare[0]:.2f} GB/s, "
+                f"{rows['s5cmd (no verification)'] / bare[0]:.2f}× s5cmd",
+                flush=True,
+            )
             threads = min(staged["concurrency"], staged["parts"])
             shape["pulls"][label]["stages"] = {
                 "pull_seconds": staged["seconds"],
@@ -420,13 +439,13 @@ def gil_held_per_gb(refs: list, gets: str, tmp: Path) -> float:
     ]  # fmt: skip
     saved = socket.SocketIO.readinto, pull.hashlib, pull.os.pwrite
     try:
-        pull.land_range(store, jobs[0], fd)  # warm: the connection, the buffer
+        pull.land_range(store, jobs[0], lambda: fd)  # warm: the connection, the buffer
         socket.SocketIO.readinto = timed_free(saved[0])  # type: ignore[method-assign]
         pull.hashlib = type("H", (), {"sha256": staticmethod(timed_free(hashlib.sha256))})
         pull.os.pwrite = timed_free(saved[2])
         t = time.thread_time()
         for job in jobs:
-            pull.land_range(store, job, fd)
+            pull.land_range(store, job, lambda: fd)
         cpu = time.thread_time() - t
     finally:
         socket.SocketIO.readinto, pull.hashlib, pull.os.pwrite = saved  # type: ignore[misc]

@@ -356,12 +356,9 @@ class _Fetcher:
 
     def _land(self, f: _File, start: int, length: int) -> None:
         """Land one range; finish the file if it was last."""
-        with f.lock, _local_write(f.tmp):
-            if f.fd is None:
-                f.fd = os.open(f.tmp, os.O_RDWR) if f.resume else _preallocated(f.tmp, f.ref.size)
         whole = f.ref.parts is None and len(f.ranges) == 1
         job = RangeJob(f.key, f.ref, str(f.tmp), start, length, whole, f.resume)
-        out = land_range(self.store, job, f.fd)
+        out = land_range(self.store, job, lambda: self._opened(f))
         with self._lock:
             if out.resumed:
                 self.resumed += length
@@ -371,6 +368,15 @@ class _Fetcher:
             self.refetched_parts += out.refetched_parts
             self.refetched_files += out.refetched_files
         self._landed(f, length)
+
+    def _opened(self, f: _File) -> int:
+        """The file's temporary, opened by the first range to need it. Asked for once that
+        range's bytes are in: preallocating a large file can take a while (tmpfs zeroes its
+        pages), and its other ranges should be on the wire meanwhile, not waiting here."""
+        with f.lock, _local_write(f.tmp):
+            if f.fd is None:
+                f.fd = os.open(f.tmp, os.O_RDWR) if f.resume else _preallocated(f.tmp, f.ref.size)
+            return f.fd
 
     def _landed(self, f: _File, length: int) -> None:
         self.progress.advance(length)
@@ -434,15 +440,17 @@ class Landed:
     refetched_files: int = 0
 
 
-def land_range(store: Store, job: RangeJob, fd: int) -> Landed:
-    """Land ``job`` into ``fd``: the range is read into this thread's buffer, each manifest
-    part is checked against its sha256 there and written from there, and a bad one is
-    fetched again, alone, into its place in the buffer (up to ``PART_RETRIES`` times)."""
+def land_range(store: Store, job: RangeJob, open_fd: Callable[[], int]) -> Landed:
+    """Land ``job`` into the file ``open_fd()`` returns (asked for once the bytes are in,
+    unless resuming): the range is read into this thread's buffer, each manifest part is
+    checked against its sha256 there and written from there, and a bad one is fetched
+    again, alone, into its place in the buffer (up to ``PART_RETRIES`` times)."""
     ref, key, start, length = job.ref, job.key, job.start, job.length
     buf = _buffer(length)
-    if job.resume and _already_there(fd, ref, start, buf):
+    if job.resume and _already_there(open_fd(), ref, start, buf):
         return Landed(resumed=True)
     got = _read(store, key, start, buf)
+    fd = open_fd()
     fetched, refetched_parts, refetched_files = got, 0, 0
     if ref.parts is not None:
         extra, refetched_parts = _write_parts(store, job, fd, buf, got)
