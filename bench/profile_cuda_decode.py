@@ -27,11 +27,6 @@ whole step of the project's decoder (and of the gpt-fast peer, when present), on
    the graph fuses into it) eager through cuBLAS and compiled under each of
    ``GEMV_VARIANTS``, then a whole b1_s256 step under each.
 
-5. ``--splits`` instead: each batch-1 product reduced in 1, 2, 4 ... slices of its input
-   (``decoder.split_k_linear``, the cuda backend's options), the fastest split per product,
-   and whole b1_s256 steps without splits, with ``aoti.CUDA_DECODE_B1_SPLITS`` and with the
-   fastest splits just measured.
-
 Exploration, not the product's benchmark: figures go to bench/RESULTS.md beside the numbers
 of bench_cuda_decode.py.
 """
@@ -244,58 +239,6 @@ def gemv_table(batch: int, reps: int) -> list[dict[str, Any]]:
     return rows
 
 
-# slices tried per product: the wide ones already stream well unsplit
-SPLITS = {"qkv": (1, 2, 4, 8), "o": (1, 2, 4, 8), "gate_up": (1, 2), "down": (1, 2, 4, 8, 16)}
-SPLITS["lm_head"] = (1, 2)
-
-
-def split_table(reps: int) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """ms and GB/s of each batch-1 product of a step reduced in s slices, and the fastest s
-    per product (the decoder's names)."""
-    from pipeline.compile.backends.aoti import CUDA_OPTIONS
-    from pipeline.compile.decoder import split_k_linear
-
-    names = {"qkv": "qkv_proj", "o": "o_proj", "gate_up": "gate_up_proj"}
-    names.update(down="down_proj", lm_head="lm_head")
-    rows, best = [], {}
-    for name, k, n, prologue, count in GEMVS:
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
-        width = 2 * k if prologue == "silu_mul" else k
-        x = torch.randn(1, width, device="cuda", dtype=torch.bfloat16)
-        norm_w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
-        nbytes = sum(w.numel() * w.element_size() for w in ws)
-        ref = F.linear(_prologue(prologue, x, norm_w), ws[0]).float()
-        timings = {}
-        for s in SPLITS[name]:
-
-            def products(x=x, ws=ws, prologue=prologue, norm_w=norm_w, s=s):
-                h = _prologue(prologue, x, norm_w)
-                return [split_k_linear(h, w, None, s) for w in ws]
-
-            torch._dynamo.reset()
-            start = time.monotonic()
-            fn = torch.compile(products, fullgraph=True, dynamic=False, options=CUDA_OPTIONS)
-            err = (fn()[0].float() - ref).abs().max().item()
-            compile_s = time.monotonic() - start
-            ms = timings[s] = graph_ms(fn, reps)
-            rows.append(
-                {
-                    "product": name,
-                    "shape": [k, n],
-                    "calls": count,
-                    "splits": s,
-                    "ms": round(ms, 4),
-                    "GBps": round(nbytes / ms / 1e6, 1),
-                    "max_abs_vs_eager": err,
-                    "compile_s": round(compile_s, 1),
-                }
-            )
-            gbps = nbytes / ms / 1e6
-            log(f"b1 {name} in {s} slices: {ms:.4f} ms, {gbps:.0f} GB/s ({compile_s:.0f} s)")
-        best[names[name]] = min(timings, key=timings.get)
-    return rows, best
-
-
 # --- whole decode steps --------------------------------------------------------------------
 
 
@@ -347,26 +290,19 @@ def kernel_table(step, steps: int = 5) -> dict[str, Any]:
 
 
 def project_step(
-    batch: int,
-    seq: int,
-    filled: int,
-    options: dict[str, Any] | None = None,
-    splits: dict[str, int] | None = None,
+    batch: int, seq: int, filled: int, options: dict[str, Any] | None = None
 ) -> tuple[Any, float]:
     """(one eager step, ms per step replayed as a CUDA graph) of the project's decoder,
     attending the tier that holds ``filled`` positions, as the runtime does; ``options``:
-    inductor options instead of the cuda backend's; ``splits``: ``decoder.split_products``
-    instead of the cuda backend's (batch 1)."""
+    inductor options instead of the cuda backend's."""
     from bench_cuda_decode import SHAPES, llama_config
 
     from pipeline.compile import decoder as dec
-    from pipeline.compile.backends.aoti import CUDA_DECODE_B1_SPLITS, CUDA_OPTIONS
+    from pipeline.compile.backends.aoti import CUDA_OPTIONS
     from pipeline.runtime.graph_abi import key_tiers
 
     cfg = llama_config(SHAPES["llama-3.2-1b"])
     model = dec.build(cfg, torch.bfloat16, "cuda", dec.Decode)
-    if batch == 1:
-        dec.split_products(model, CUDA_DECODE_B1_SPLITS if splits is None else splits)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
@@ -441,12 +377,6 @@ def main() -> None:
         help="batch 1 only: each product under each inductor variant, and a whole b1_s256 "
         "step under each",
     )
-    ap.add_argument(
-        "--splits",
-        action="store_true",
-        help="batch 1 only: each product reduced in 1, 2, 4 ... slices, and whole b1_s256 "
-        "steps with none, the backend's and the fastest splits",
-    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_cuda_decode: skipped, no CUDA GPU", file=sys.stderr)
@@ -458,22 +388,6 @@ def main() -> None:
         if args.out:
             args.out.write_text(text)
 
-    if args.splits:
-        result["split_gemv"], best = split_table(reps=200)
-        result["fastest_splits"] = best
-        save()
-        from pipeline.compile.backends.aoti import CUDA_DECODE_B1_SPLITS
-
-        result["steps_by_splits"] = {}
-        cases = {"none": {}, "backend": CUDA_DECODE_B1_SPLITS, "fastest": best}
-        for label, splits in cases.items():
-            step, ms = project_step(1, 256, 200, splits=splits)
-            table = {"splits": splits, "graph_ms": round(ms, 4), **kernel_table(step)}
-            result["steps_by_splits"][label] = table
-            log(f"project b1_s256 filled 200, splits {label} {splits}: {ms:.4f} ms/step")
-            save()
-        print(json.dumps(result, indent=1))
-        return
     if args.variants:
         result["gemv"] = gemv_table(1, reps=200)
         save()

@@ -204,6 +204,19 @@ def test_cuda_bucket_reproduces_hugging_face(tiny_checkpoint, write_config, hf_t
     )
 
 
+@pytest.mark.parametrize("vocab", [128256, 32000, 151936, 8191, 100])
+def test_greedy_token_is_the_first_maximum(vocab):
+    """The two-stage argmax of the graphs picks what argmax picks, ties included (the first
+    index of the maximum), whether or not the vocabulary is sliced."""
+    g = torch.Generator().manual_seed(vocab)
+    tied = torch.randint(0, 4, (4, vocab), generator=g).float()  # every row has many ties
+    tied[1, -1] = 9.0  # the maximum alone, in the last slice
+    spread = torch.randn(2, 1, vocab, generator=g)
+    for logits in (tied, spread):
+        assert torch.equal(dec.first_argmax(logits), logits.argmax(-1))
+    assert (dec.argmax_slices(vocab) > 1) == (vocab >= 8192)
+
+
 def test_fused_projections_round_trip_and_keep_row_order(tmp_path):
     """q/k/v and gate/up stack in that order (the split in Attention.forward relies on it);
     unfusing gives Hugging Face's tensors back, also with GQA-padded head counts; a

@@ -44,45 +44,6 @@ class Caches(NamedTuple):
 DYNAMIC_ROPE = {"dynamic", "longrope"}
 
 
-class Projection(nn.Linear):
-    """``nn.Linear`` that can reduce a single input row in ``split_k`` slices of its input.
-
-    At batch 1 decode is one matrix-vector product after another, and inductor (with
-    coordinate-descent tuning) writes each as a reduction with one output per weight row. A
-    product with few, long rows (Llama's down projection: 2,048 rows of 8,192) then has too
-    few programs in flight to stream its weights at the memory's speed; reducing each row in
-    slices first multiplies the programs (bench/profile_cuda_decode.py ``--splits``). Set by
-    ``split_products``; 1 (the default) is the plain product."""
-
-    split_k = 1
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.split_k == 1 or x.numel() != x.shape[-1]:
-            return super().forward(x)
-        return split_k_linear(x, self.weight, self.bias, self.split_k)
-
-
-def split_k_linear(x: Tensor, weight: Tensor, bias: Tensor | None, splits: int) -> Tensor:
-    """``F.linear(x, weight, bias)`` for x of one row, summed over ``splits`` slices of the
-    input: partial sums in fp32 (one reduction per row and slice), then their sum."""
-    n, k = weight.shape
-    xs = x.reshape(1, splits, k // splits).float()
-    parts = (xs * weight.view(n, splits, k // splits)).sum(-1)  # [N, splits], fp32
-    out = parts.sum(-1).to(x.dtype)
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], n)
-
-
-def split_products(decoder: nn.Module, splits: dict[str, int]) -> None:
-    """Reduce each ``Projection`` whose name ends in a key of ``splits`` in that many slices
-    (where the slices divide its input)."""
-    for name, module in decoder.named_modules():
-        s = splits.get(name.rsplit(".", 1)[-1], 1)
-        if isinstance(module, Projection) and module.in_features % s == 0:
-            module.split_k = s
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -103,8 +64,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim(cfg)
         self.window = window
         self.split = (self.heads * self.head_dim, *[self.kv_heads * self.head_dim] * 2)
-        self.qkv_proj = Projection(cfg.hidden_size, sum(self.split), bias=qkv_bias(cfg))
-        self.o_proj = Projection(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=qkv_bias(cfg))
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches) -> Tensor:
         # x: [B, T, hidden]; cos/sin: [B, T, D]; pos: [B, T]
@@ -124,8 +85,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        self.gate_up_proj = Projection(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Projection(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -164,7 +125,7 @@ class Decoder(nn.Module):
         super().__init__()
         check_supported(cfg)
         self.model = Body(cfg)
-        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         inv_freq, self.rope_scale = rope_frequencies(cfg)
@@ -225,7 +186,33 @@ class Decode(Decoder):
 def greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
     # The argmax inside the graph: compiled, it is one tuned kernel instead of an eager one
     # per step (on an H200, 0.07 ms of a 1.3 ms Llama-3.2-1B step).
-    return logits, logits.argmax(-1)
+    return logits, first_argmax(logits)
+
+
+def first_argmax(logits: Tensor) -> Tensor:
+    """``logits.argmax(-1)`` (the first index of the maximum) in two stages: the argmax of
+    each of ~128 slices of the vocabulary, then of their maxima.
+
+    Inductor does not split an argmax, so one row's argmax was one program reading the whole
+    vocabulary serially: 20 µs of a 1.0 ms batch-1 step on an H200 (128,256 tokens,
+    bench/profile_cuda_decode.py). Slices make the first stage one program per slice."""
+    v = logits.shape[-1]
+    n = argmax_slices(v)
+    if n == 1:
+        return logits.argmax(-1)
+    sliced = logits.view(*logits.shape[:-1], n, v // n)
+    # the first slice holding the maximum, then the first index of it in that slice
+    best = sliced.amax(-1).argmax(-1, keepdim=True)
+    return (best * (v // n) + sliced.argmax(-1).gather(-1, best)).squeeze(-1)
+
+
+def argmax_slices(vocab: int) -> int:
+    """The divisor of ``vocab`` nearest 128 (between 16 and 1,024), or 1 for a vocabulary
+    too small to gain (< 8,192) or without one."""
+    if vocab < 8192:
+        return 1
+    divisors = [n for n in range(16, 1025) if vocab % n == 0]
+    return min(divisors, key=lambda n: abs(n - 128), default=1)
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

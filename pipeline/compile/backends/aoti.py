@@ -26,7 +26,7 @@ import subprocess
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
 from pipeline.errors import CheckpointError, InputError
@@ -55,9 +55,6 @@ X86_OPTIONS: dict[str, Any] = {"cpp.march": "x86-64-v3", "cpp.simdlen": 256}
 # product after another, and the tuned tiles stream weights faster (on an H200, a
 # Llama-3.2-1B step went from 1.60 ms to 1.37 ms); it costs compile time only.
 CUDA_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True}
-# CUDA, batch-1 decode graphs: the products reduced in slices of their input
-# (``decoder.split_products``), chosen by bench/profile_cuda_decode.py --splits.
-CUDA_DECODE_B1_SPLITS: dict[str, int] = {"down_proj": 4}
 
 
 def parse_flags(flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -82,7 +79,6 @@ def parse_flags(flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
 
 class AotiBackend(Backend):
     device = "cpu"
-    decode_b1_splits: ClassVar[dict[str, int]] = {}
 
     def versions(self) -> dict[str, str]:
         return {p: metadata.version(p) for p in ("torch", "transformers")}
@@ -163,8 +159,6 @@ class AotiBackend(Backend):
         seconds = {}
         for name, graph, args, dynamic in self._graphs(spec):
             module = dec.build(cfg, dtype, self.device, graph)
-            if graph is dec.Decode and spec.batch == 1:
-                dec.split_products(module, self.decode_b1_splits)
             if not spec.constants:  # both graphs take the same constants
                 spec = dataclasses.replace(spec, constants=constant_specs(module))
             cache = [torch.zeros(spec.cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
@@ -228,7 +222,6 @@ class CpuBackend(AotiBackend):
 class CudaBackend(AotiBackend):
     name = "cuda"
     device = "cuda"
-    decode_b1_splits = CUDA_DECODE_B1_SPLITS
 
     def default_options(self) -> dict[str, Any]:
         return {**BASE_OPTIONS, **CUDA_OPTIONS}
@@ -237,8 +230,7 @@ class CudaBackend(AotiBackend):
         self, flags: tuple[str, ...] | list[str], instance_type: str | None = None
     ) -> dict[str, Any]:
         # Kernels are built and tuned for the GPU that compiles them.
-        gpu = gpu_compute_capability()
-        return {**super().key_options(flags), "gpu": gpu, "decode_b1_splits": self.decode_b1_splits}
+        return {**super().key_options(flags), "gpu": gpu_compute_capability()}
 
     def unavailable_reason(self) -> str | None:
         if not cuda_present():
