@@ -18,6 +18,8 @@ the bottleneck. nginx listens with ``reuseport``, so the kernel spreads connecti
 over its workers, as S3 spreads them over its servers. Each method runs into an empty
 directory, best of two. The pull runs as its own process (``python -c``, like the CLI),
 which also reports its peak resident set (VmHWM).
+Each pull variant also gets one run with every call that releases the GIL timed (where its
+threads wait) and, as a diagnostic only, two with its sha256 skipped (what hashing costs).
 Also measured: nearest-bucket selection per call, and the CLI's start time for
 ``pull --help`` (the init container's cold path).
 

@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.errors import IntegrityError, ManifestError, RuntimeMismatchError
+from pipeline.errors import IntegrityError, ManifestError, NotFoundError, RuntimeMismatchError
 from pipeline.install.pull import (
     FILE_RETRIES,
     PART_RETRIES,
@@ -393,3 +393,34 @@ def test_a_half_fetched_file_resumes_from_its_verified_parts(store, tmp_path):
     assert r.reused_bytes == 3 * PART and r.downloaded_bytes == 5 * PART + len(
         b'{"model_type": "llama"}'
     )
+
+
+def test_a_file_is_preallocated_only_once_its_first_range_has_arrived(store, tmp_path):
+    """Preallocating a large file can take a while (tmpfs zeroes its pages): the GETs of its
+    ranges go out first, and a file whose GETs all fail is never created."""
+    data = _big(8 * PART)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    tmp = tmp_path / "d/m/.staging-v1/buckets/b1_s32/.w.bin.incomplete"
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    real = store.read_range_into
+    seen = []
+
+    def read(k, start, buf):
+        if k == key:
+            seen.append(tmp.exists())
+        return real(k, start, buf)
+
+    store.read_range_into = read
+    r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=2 * PART, concurrency=1)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+    assert seen == [False, True, True, True]  # one thread: the first GET came before the file
+
+    def refused(k, start, buf):
+        if k == key:
+            raise NotFoundError(key, "gone", "republish")
+        return real(k, start, buf)
+
+    store.read_range_into = refused
+    with pytest.raises(NotFoundError):
+        pull_release(store, "m", tmp_path / "e", version="v1", part_size=2 * PART)
+    assert not list((tmp_path / "e").rglob("*.incomplete"))
