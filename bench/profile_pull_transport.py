@@ -19,7 +19,9 @@ Clients:
 * ``s3_ranges + ...``: the pull's GETs, then what landing does with each range (its sha256;
   a ``pwrite`` at its offset into its file, preallocated as pull does or sparse; both), to
   find which step of landing costs what;
-* ``pull_release``: the whole pull, in this process (no start-up), N ranges in flight.
+* ``pull_release``: the whole pull, in this process (no start-up), N ranges in flight; and
+  the same with its queue in the order before 2026-12-01 (all of a file's ranges, then the
+  next file's).
 
 Exploration, not the product's benchmark (bench_pull.py is): figures go to bench/RESULTS.md.
 """
@@ -237,6 +239,18 @@ def main() -> None:
             return seconds
 
         clients["pull_release"] = whole_pull
+
+        def file_after_file(n: int) -> float:  # the queue's order before 2026-12-01
+            import pipeline.install.pull as pull
+
+            interleaved = pull._interleaved
+            pull._interleaved = lambda files: ((f, r) for f in files for r in f.ranges)
+            try:
+                return whole_pull(n)
+            finally:
+                pull._interleaved = interleaved
+
+        clients["pull_release, file after file"] = file_after_file
         try:
             import obstore
             from obstore.store import S3Store as ObjectStore

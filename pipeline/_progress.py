@@ -6,15 +6,10 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 def interactive() -> bool:
@@ -38,6 +33,16 @@ def byte_progress(description: str, total: int) -> Iterator[ByteProgress]:
     if not interactive():
         yield ByteProgress(None, None)
         return
+    # Imported here: rich's progress costs ~35 ms of an init container's start, for no bar.
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),

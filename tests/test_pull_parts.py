@@ -424,3 +424,24 @@ def test_a_file_is_preallocated_only_once_its_first_range_has_arrived(store, tmp
     with pytest.raises(NotFoundError):
         pull_release(store, "m", tmp_path / "e", version="v1", part_size=2 * PART)
     assert not list((tmp_path / "e").rglob("*.incomplete"))
+
+
+def test_ranges_of_large_files_are_fetched_in_turn(store, tmp_path):
+    """One range of each file in turn, so the threads spread over the files rather than all
+    writing into one (writes into a file serialise on its inode lock)."""
+    files = {"a.bin": _big(6 * PART), "b.bin": _big(4 * PART), "c.bin": b"small"}
+    m = make_release(store, tmp_path, buckets={"b1_s32": files}, part_size=PART)
+    names = {blob_key(r.sha256): r.path.rsplit("/", 1)[-1] for r in m.buckets["b1_s32"].files}
+    real = store.read_range_into
+    order = []
+
+    def read(k, start, buf):
+        if k in names:
+            order.append(names[k])
+        return real(k, start, buf)
+
+    store.read_range_into = read
+    r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=2 * PART, concurrency=1)
+    for name, data in files.items():
+        assert (r.path / "buckets/b1_s32" / name).read_bytes() == data
+    assert order == ["a.bin", "b.bin", "c.bin", "a.bin", "b.bin", "a.bin"], order

@@ -8,7 +8,6 @@ from typing import Annotated
 import typer
 
 from pipeline.cli._common import JsonOpt, human_bytes, new_app, print_json
-from pipeline.plan.config import DTYPE_ALIASES, DTYPE_BYTES
 
 app = new_app("Plan and apply GQA head padding for tensor parallelism.")
 
@@ -28,6 +27,7 @@ def plan(
 ) -> None:
     """Plan query/KV head padding so each rank holds whole heads (NxD Inference rules)."""
     from pipeline.errors import InputError
+    from pipeline.plan.config import DTYPE_ALIASES, DTYPE_BYTES
     from pipeline.plan.gqa import plan_gqa
 
     if strategy not in ("auto", "replicate_to_tp_degree", "convert_to_mha"):
