@@ -70,6 +70,19 @@ http {{
 """
 
 
+def serve_root(nginx: str, root: Path) -> tuple[subprocess.Popen, int]:
+    """nginx serving ``root/www`` on a free loopback port, listening: (process, port)."""
+    port = free_port()
+    (root / "nginx.conf").write_text(NGINX_CONF.format(root=root, port=port))
+    server = subprocess.Popen(
+        [nginx, "-c", str(root / "nginx.conf"), "-p", str(root)],
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
+    )
+    _wait_listening(port)
+    return server, port
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -225,15 +238,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         m = make_release(store, root, args.gib, files)
         refs = m.buckets["b1_s128"].files
         total = sum(r.size for r in refs)
-        port = free_port()
-        (root / "nginx.conf").write_text(NGINX_CONF.format(root=root, port=port))
-        server = subprocess.Popen(
-            [args.nginx, "-c", str(root / "nginx.conf"), "-p", str(root)],
-            stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
+        server, port = serve_root(args.nginx, root)
         endpoint = f"http://127.0.0.1:{port}"
-        _wait_listening(port)
         env = dict(
             AWS_ENDPOINT_URL=endpoint,
             AWS_ACCESS_KEY_ID="bench",

@@ -44,14 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_pull import (
-    BUCKET,
-    NGINX_CONF,
-    _die_with_parent,
-    _wait_listening,
-    free_port,
-    make_release,
-)
+from bench_pull import BUCKET, make_release, serve_root
 
 from pipeline.store.layout import blob_key
 from pipeline.store.local import LocalStore
@@ -196,14 +189,7 @@ def main() -> None:
             for s in range(0, r.size, RANGE)
         ]
         total = sum(r.size for r in refs) / 1e9
-        port = free_port()
-        (root / "nginx.conf").write_text(NGINX_CONF.format(root=root, port=port))
-        server = subprocess.Popen(
-            [args.nginx, "-c", str(root / "nginx.conf"), "-p", str(root)],
-            stderr=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
-        _wait_listening(port)
+        server, port = serve_root(args.nginx, root)
         endpoint = f"http://127.0.0.1:{port}"
         os.environ.update(
             AWS_ENDPOINT_URL=endpoint,
