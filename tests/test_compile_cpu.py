@@ -217,6 +217,14 @@ def test_greedy_token_is_the_first_maximum(vocab):
     assert (dec.argmax_slices(vocab) > 1) == (vocab >= 8192)
 
 
+def test_greedy_token_compiled_is_the_first_maximum():
+    """The same through inductor (the tiny test models' vocabularies are too small to slice)."""
+    compiled = torch.compile(dec.first_argmax, dynamic=False)
+    logits = torch.randint(0, 4, (3, 128256), generator=torch.Generator().manual_seed(0)).float()
+    logits[2, 128000] = 7.0
+    assert torch.equal(compiled(logits), logits.argmax(-1))
+
+
 def test_fused_projections_round_trip_and_keep_row_order(tmp_path):
     """q/k/v and gate/up stack in that order (the split in Attention.forward relies on it);
     unfusing gives Hugging Face's tensors back, also with GQA-padded head counts; a
