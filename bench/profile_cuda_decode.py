@@ -1,7 +1,8 @@
 """Where a CUDA decode step spends its time: attention variants alone, and the kernels of a
 whole step of the project's decoder (and of the gpt-fast peer, when present), on one GPU.
 
-    python bench/profile_cuda_decode.py [--peer DIR] [--out F.json] [--quick | --variants]
+    python bench/profile_cuda_decode.py [--peer DIR] [--out F.json]
+                                        [--quick | --variants | --step-variants]
 
 1. Attention alone, for decode (one query token per row) over a KV cache of S positions of
    which ``filled`` hold tokens, at the shapes of bench_cuda_decode.py (32 query / 8 KV heads,
@@ -26,6 +27,10 @@ whole step of the project's decoder (and of the gpt-fast peer, when present), on
 4. ``--variants`` instead: each matrix-vector product of a batch-1 step (with the prologue
    the graph fuses into it) eager through cuBLAS and compiled under each of
    ``GEMV_VARIANTS``, then a whole b1_s256 step under each.
+
+5. ``--step-variants`` instead: whole b1_s256 steps only, under each of ``STEP_VARIANTS``
+   (inductor options that change how the fused reductions of a step are generated, where
+   the products ran slower inside the step than alone on 2026-12-01), with their kernels.
 
 Exploration, not the product's benchmark: figures go to bench/RESULTS.md beside the numbers
 of bench_cuda_decode.py.
@@ -184,6 +189,21 @@ GEMV_VARIANTS = {  # name: inductor options
     "extern_mm": {"coordinate_descent_tuning": False},  # cuBLAS for the product
     # Not here: coordinate_descent_search_radius=2 with check_all_directions did not finish
     # compiling the qkv product within 5 minutes on the H200 host (2026-12-01).
+}
+
+
+# Batch-1 step options to compare against the cuda backend's (bench/RESULTS.md: inside the
+# step the down projection streamed at 3.1 TB/s against 4.2 alone, qkv and o took 5-7 µs a
+# layer against ~3 alone). Not yet measured.
+STEP_VARIANTS: dict[str, dict[str, Any]] = {
+    "backend": {"coordinate_descent_tuning": True},
+    "all_directions": {
+        "coordinate_descent_tuning": True,
+        "coordinate_descent_check_all_directions": True,
+    },
+    "multi_kernel": {"coordinate_descent_tuning": True, "triton.multi_kernel": 1},
+    "no_persistent": {"coordinate_descent_tuning": True, "triton.persistent_reductions": False},
+    "max_autotune": {"coordinate_descent_tuning": True, "max_autotune": True},
 }
 
 
@@ -377,6 +397,11 @@ def main() -> None:
         help="batch 1 only: each product under each inductor variant, and a whole b1_s256 "
         "step under each",
     )
+    ap.add_argument(
+        "--step-variants",
+        action="store_true",
+        help="batch 1 only: whole b1_s256 steps under each of STEP_VARIANTS",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_cuda_decode: skipped, no CUDA GPU", file=sys.stderr)
@@ -388,6 +413,18 @@ def main() -> None:
         if args.out:
             args.out.write_text(text)
 
+    if args.step_variants:
+        result["steps_by_options"] = {}
+        for variant, options in STEP_VARIANTS.items():
+            start = time.monotonic()
+            step, ms = project_step(1, 256, 200, options)
+            table = {"options": options, "graph_ms": round(ms, 4), **kernel_table(step)}
+            table["compile_and_measure_s"] = round(time.monotonic() - start, 1)
+            result["steps_by_options"][variant] = table
+            log(f"project b1_s256 filled 200 {variant}: {ms:.4f} ms/step")
+            save()
+        print(json.dumps(result, indent=1))
+        return
     if args.variants:
         result["gemv"] = gemv_table(1, reps=200)
         save()
