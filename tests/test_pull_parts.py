@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -23,7 +24,9 @@ from pipeline.cli import app
 from pipeline.errors import IntegrityError, ManifestError, NotFoundError, RuntimeMismatchError
 from pipeline.install.pull import (
     FILE_RETRIES,
+    FILES_IN_TURN,
     PART_RETRIES,
+    _interleaved,
     available_cpus,
     default_concurrency,
     pull_release,
@@ -445,3 +448,20 @@ def test_ranges_of_large_files_are_fetched_in_turn(store, tmp_path):
     for name, data in files.items():
         assert (r.path / "buckets/b1_s32" / name).read_bytes() == data
     assert order == ["a.bin", "b.bin", "c.bin", "a.bin", "b.bin", "a.bin"], order
+
+
+def test_files_taken_in_turn_are_bounded():
+    """A release of many multi-range files keeps at most FILES_IN_TURN of them started and
+    not finished (each is an open file descriptor), and still yields every range once."""
+    files = [SimpleNamespace(ranges=[(i, 1), (i + 1, 1), (i + 2, 1)]) for i in range(200)]
+    left = {id(f): len(f.ranges) for f in files}
+    started, most, seen = set(), 0, []
+    for f, r in _interleaved(files):  # type: ignore[arg-type]
+        seen.append((id(f), r))
+        started.add(id(f))
+        left[id(f)] -= 1
+        if not left[id(f)]:
+            started.discard(id(f))
+        most = max(most, len(started))
+    assert most == FILES_IN_TURN
+    assert sorted(seen) == sorted((id(f), r) for f in files for r in f.ranges)
