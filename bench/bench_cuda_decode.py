@@ -466,6 +466,7 @@ def main() -> None:
         help="stop after compiling and installing (a later run then compiles nothing)",
     )
     args = p.parse_args()
+    args.workdir = args.workdir.resolve()  # the configs written there name paths beside them
     device = args.backend
     preflight(device)
     flags = default_flags(device) if args.flag is None else args.flag

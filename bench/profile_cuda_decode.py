@@ -204,6 +204,8 @@ STEP_VARIANTS: dict[str, dict[str, Any]] = {
     "multi_kernel": {"coordinate_descent_tuning": True, "triton.multi_kernel": 1},
     "no_persistent": {"coordinate_descent_tuning": True, "triton.persistent_reductions": False},
     "max_autotune": {"coordinate_descent_tuning": True, "max_autotune": True},
+    # independent kernels (the K and V cache writes, the q/k rotations) launched as one
+    "combo_kernels": {"coordinate_descent_tuning": True, "combo_kernels": True},
 }
 
 
