@@ -7,19 +7,13 @@ Keys are ``/``-separated paths relative to the store root (``blobs/sha256/<hex>`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pipeline.store.blobs import FileRef
-
-
-# Told (offset in the buffer, count) as bytes land in a ``read_range_into`` buffer, in order
-# from offset 0, so a caller can hash and write them while they are in the CPU's cache; a
-# retried read starts again from 0.
-Arrived = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -66,17 +60,12 @@ class Store(ABC):
         """``length`` bytes from offset ``start`` (a ranged GET); NotFoundError when absent.
         Fewer bytes (or none) come back where the object ends sooner."""
 
-    def read_range_into(
-        self, key: str, start: int, buf: memoryview, arrived: Arrived | None = None
-    ) -> int:
+    def read_range_into(self, key: str, start: int, buf: memoryview) -> int:
         """``get_range`` into ``buf``: reads ``len(buf)`` bytes from offset ``start`` and
         returns how many, fewer (or 0) where the object ends sooner; NotFoundError when
-        absent. ``arrived`` is told what landed (here at once, at the end). Backends
-        override it to fill ``buf`` without an intermediate copy."""
+        absent. Backends override it to fill ``buf`` without an intermediate copy."""
         data = self.get_range(key, start, len(buf))
         buf[: len(data)] = data
-        if arrived and data:
-            arrived(0, len(data))
         return len(data)
 
     @abstractmethod

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pipeline._files import atomic_create, atomic_writer
 from pipeline.errors import AlreadyExistsError, ConflictError, InputError, NotFoundError
-from pipeline.store.base import Arrived, ObjectInfo, Store
+from pipeline.store.base import ObjectInfo, Store
 
 if TYPE_CHECKING:
     from pipeline.store.blobs import FileRef
@@ -105,9 +105,7 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise self._missing(key) from None
 
-    def read_range_into(
-        self, key: str, start: int, buf: memoryview, arrived: Arrived | None = None
-    ) -> int:
+    def read_range_into(self, key: str, start: int, buf: memoryview) -> int:
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
         except FileNotFoundError:
@@ -118,8 +116,6 @@ class LocalStore(Store):
                 n = os.preadv(fd, [buf[got:]], start + got)
                 if not n:
                     break
-                if arrived:
-                    arrived(got, n)
                 got += n
             return got
         finally:

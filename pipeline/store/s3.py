@@ -46,7 +46,7 @@ from pipeline.errors import (
     StoreError,
 )
 from pipeline.store._redact import scrub
-from pipeline.store.base import Arrived, ObjectInfo, Store
+from pipeline.store.base import ObjectInfo, Store
 from pipeline.store.blobs import FileRef
 from pipeline.store.s3_ranges import BotocoreOnly, RangeReader
 
@@ -355,19 +355,17 @@ class S3Store(Store):
         except BotoCoreError as e:
             raise translate_error(e, self._what(key)) from None
 
-    def read_range_into(
-        self, key: str, start: int, buf: memoryview, arrived: Arrived | None = None
-    ) -> int:
+    def read_range_into(self, key: str, start: int, buf: memoryview) -> int:
         """A ranged GET straight into ``buf`` (see pipeline.store.s3_ranges), or botocore's
         ``get_range`` copied into it where that path is off."""
         if self.ranges is not None:
             try:
                 return self.ranges.read_into(
-                    self.bucket, self._key(key), start, buf, self._what(key), arrived
+                    self.bucket, self._key(key), start, buf, self._what(key)
                 )
             except BotocoreOnly:  # another region, a skewed clock: botocore's path from now on
                 self.ranges = None
-        return super().read_range_into(key, start, buf, arrived)
+        return super().read_range_into(key, start, buf)
 
     def size(self, key: str) -> int | None:
         try:

@@ -32,13 +32,11 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline.errors import PipelineError, StoreError
 from pipeline.store._redact import scrub
-from pipeline.store.base import Arrived
 
 # A presigned URL is reused for this long per key (a blob's ranges share one signature),
 # and valid for URL_EXPIRES_S. botocore refreshes temporary credentials at least 10 minutes
 # before they expire, so a URL at most a minute old never outlives its credentials.
 URL_REUSE_S, URL_EXPIRES_S = 60.0, 900
-ARRIVAL = 1 << 20  # with ``arrived``: bytes per read, handed on while still in the CPU's cache
 MAX_ERROR_BODY = 1 << 16  # S3 error documents are small; read no more of an odd reply
 # A connection the server dropped (http.client's RemoteDisconnected is a ConnectionResetError)
 _DROPPED = (ConnectionResetError, ConnectionAbortedError, BrokenPipeError)
@@ -101,15 +99,7 @@ class RangeReader:
             read_timeout=float(config.read_timeout or 60),
         )
 
-    def read_into(
-        self,
-        bucket: str,
-        key: str,
-        start: int,
-        buf: memoryview,
-        what: str,
-        arrived: Arrived | None = None,
-    ) -> int:
+    def read_into(self, bucket: str, key: str, start: int, buf: memoryview, what: str) -> int:
         """Read ``len(buf)`` bytes of ``s3://bucket/key`` from ``start`` into ``buf``; the
         count read, fewer where the object ends sooner (0 at or past its end). Errors are
         the ones ``translate_error`` gives for botocore's; a dropped connection reconnects."""
@@ -137,7 +127,7 @@ class RangeReader:
                 self._drop(conn_key)
                 raise _unreachable(what, e) from None
             try:
-                return self._body(resp, start, buf, what, bucket, key, arrived)
+                return self._body(resp, start, buf, what, bucket, key)
             finally:
                 # Reused only when the reply was read to its end and the server keeps it open.
                 if resp.will_close or not resp.isclosed() or resp.length:
@@ -152,7 +142,6 @@ class RangeReader:
         what: str,
         bucket: str,
         key: str,
-        arrived: Arrived | None,
     ) -> int:
         status = resp.status
         if status == 416:  # InvalidRange: at or past the end, nothing there
@@ -179,11 +168,9 @@ class RangeReader:
                     return 0
                 skip -= n
             while got < len(buf):
-                n = resp.readinto(buf[got : got + ARRIVAL] if arrived else buf[got:])
+                n = resp.readinto(buf[got:])
                 if not n:
                     break
-                if arrived:
-                    arrived(got, n)
                 got += n
         except (OSError, http.client.HTTPException) as e:
             raise _unreachable(what, e) from None
