@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -268,3 +269,79 @@ def test_pull_path_imports_no_torch():
         cwd=Path(__file__).parent.parent,
     )
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("paths", "why"),
+    [
+        (["x", ".x.incomplete"], "ends in '.incomplete'"),
+        (["a", "a/b"], "also the folder of another file"),
+        (["ctl\x01.bin"], "control character"),
+    ],
+)
+def test_manifest_paths_that_collide_on_disk_are_refused(tmp_path, paths, why):
+    """A path that is another file's temporary name, or another file's folder, would
+    install the wrong bytes or fail as an I/O error (exit 1, retried forever by Kubernetes)."""
+    from pipeline.store.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    make_release(store, tmp_path, extra_files={p: os.urandom(100 + i) for i, p in
+                                               enumerate(paths)})  # fmt: skip
+    dest = tmp_path / "dest"
+    with pytest.raises(InputError, match=re.escape(why)):
+        pull_release(store, "m", dest, version="v1")
+    assert not (dest / "m" / "v1").exists()
+    r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(dest),
+                            "--store", store.url])  # fmt: skip
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+
+
+def test_a_nul_in_a_manifest_path_is_bad_input_not_a_traceback(store, tmp_path):
+    make_release(store, tmp_path)
+    data = json.loads(store.get_bytes(release_key("m", "v1")))
+    data["buckets"]["b1_s32"]["files"][0]["path"] = "nul\x00.bin"
+    store.put_bytes(release_key("m", "v1"), json.dumps(data).encode())
+    r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "d"),
+                            "--store", store.url])  # fmt: skip
+    assert r.exit_code == 2 and "control character" in r.stderr, r.output
+
+
+def test_a_top_level_file_named_like_the_buckets_folder_is_refused(tmp_path):
+    from pipeline.store.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    make_release(store, tmp_path, extra_files={"buckets": b"x"})
+    with pytest.raises(InputError, match="also the folder of another file"):
+        pull_release(store, "m", tmp_path / "dest", version="v1")
+
+
+def test_reinstalling_a_version_swaps_it_whole(tmp_path, monkeypatch):
+    """The same version name from another store: the earlier install is set aside, not
+    deleted before the new one is in place; a pull killed between the two renames leaves it
+    recoverable, and the next pull finishes the swap."""
+    import pipeline.install.pull as pull_mod
+    from pipeline.store.local import LocalStore
+
+    first, second = LocalStore(tmp_path / "a"), LocalStore(tmp_path / "b")
+    make_release(first, tmp_path)
+    make_release(second, tmp_path)
+    dest = tmp_path / "dest"
+    pull_release(first, "m", dest, version="v1")
+    rename = os.rename
+
+    def killed_after_setting_aside(src, dst):
+        rename(src, dst)
+        if Path(dst).name.startswith(".replaced-"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(pull_mod.os, "rename", killed_after_setting_aside)
+    with pytest.raises(KeyboardInterrupt):
+        pull_release(second, "m", dest, version="v1")
+    assert (dest / "m" / ".replaced-v1" / "manifest.json").is_file()  # nothing lost
+    monkeypatch.setattr(pull_mod.os, "rename", rename)
+    r = pull_release(second, "m", dest, version="v1")
+    assert not r.already_installed and not (dest / "m" / ".replaced-v1").exists()
+    assert (dest / "m" / "v1" / "manifest.json").read_bytes() == second.get_bytes(
+        release_key("m", "v1")
+    )
+    assert os.readlink(dest / "m" / "current") == "v1"

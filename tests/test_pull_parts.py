@@ -21,7 +21,14 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.errors import IntegrityError, ManifestError, NotFoundError, RuntimeMismatchError
+from pipeline.errors import (
+    IntegrityError,
+    ManifestError,
+    NotFoundError,
+    PipelineError,
+    RuntimeMismatchError,
+    StoreError,
+)
 from pipeline.install.pull import (
     FILE_RETRIES,
     FILES_IN_TURN,
@@ -465,3 +472,126 @@ def test_files_taken_in_turn_are_bounded():
         most = max(most, len(started))
     assert most == FILES_IN_TURN
     assert sorted(seen) == sorted((id(f), r) for f in files for r in f.ranges)
+
+
+def _local_release(tmp_path, data: bytes):
+    from pipeline.store.local import LocalStore
+
+    store = LocalStore(tmp_path / "store")
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    return store
+
+
+def test_an_interrupted_system_call_in_a_worker_fails_the_pull(tmp_path, monkeypatch):
+    """An OSError with EINTR is an InterruptedError: it once passed for the fetch's own
+    "stopped" marker, and the pull installed a release with a file missing."""
+    import errno
+
+    import pipeline.install.pull as pull_mod
+
+    store = _local_release(tmp_path, _big(4 * PART))
+    real = store.read_range_into
+
+    def interrupted(key, start, buf):
+        if start >= 2 * PART:
+            raise OSError(errno.EINTR, "Interrupted system call")
+        return real(key, start, buf)
+
+    store.read_range_into = interrupted
+    monkeypatch.setattr(pull_mod, "with_retries", lambda fn: fn())
+    with pytest.raises(InterruptedError):
+        pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
+    assert not (tmp_path / "d/m/v1").exists() and not (tmp_path / "d/m/current").exists()
+
+
+def test_a_thread_that_cannot_start_fails_cleanly(tmp_path, monkeypatch):
+    """A container's pids limit: the threads already started are stopped and joined, and
+    the CLI says it in one line (exit 1)."""
+    import threading
+
+    store = _local_release(tmp_path, _big(8 * PART))
+    real_start, started = threading.Thread.start, []
+
+    def start(self):
+        if self.name.startswith("pull-") and started:
+            raise RuntimeError("can't start new thread")
+        started.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "d"),
+                            "--store", store.url, "--part-size", "64KiB",
+                            "--concurrency", "4"])  # fmt: skip
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1, r.output
+    assert "cannot start thread" in r.stderr and "--concurrency" in r.stderr
+    assert started and not any(t.is_alive() for t in started)
+    assert not (tmp_path / "d/m/v1").exists()
+
+
+def test_a_failed_preallocation_closes_its_file(tmp_path, monkeypatch):
+    import errno
+
+    import pipeline.install.pull as pull_mod
+
+    store = _local_release(tmp_path, _big(2 * PART))
+
+    def unsupported(*_):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    def too_large(*_):
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(pull_mod.os, "posix_fallocate", unsupported)
+    monkeypatch.setattr(pull_mod.os, "ftruncate", too_large)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(PipelineError, match="File too large"):
+            pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize("size", ["²MiB", "2GiB", "0", "1XB"])
+def test_part_sizes_out_of_range_are_bad_input(size):
+    r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", "/tmp/x",
+                            "--part-size", size])  # fmt: skip
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "64 KiB to 1 GiB" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ({"Body": b"0123456789"}, b"3456"),  # a server that ignores Range: the whole object
+        ({"Body": b"3456", "ContentRange": "bytes 3-6/10"}, b"3456"),
+    ],
+)
+def test_botocore_gets_keep_to_the_asked_range(reply, expected):
+    """The botocore path (behind a proxy, after a region redirect) once copied a whole-object
+    reply into a range's buffer: a ValueError traceback, or bytes from the wrong offset."""
+    import io
+
+    from pipeline.store.s3 import S3Store
+
+    class Client:
+        def get_object(self, **kw):
+            assert kw["Range"] == "bytes=3-6"
+            return {**reply, "Body": io.BytesIO(reply["Body"])}
+
+    s = S3Store.__new__(S3Store)
+    s.client, s.bucket, s.prefix, s.ranges = Client(), "b", "", None
+    buf = memoryview(bytearray(4))
+    assert s.read_range_into("k", 3, buf) == 4 and bytes(buf) == expected
+
+
+def test_botocore_gets_refuse_a_range_from_elsewhere():
+    import io
+
+    from pipeline.store.s3 import S3Store
+
+    class Client:
+        def get_object(self, **kw):
+            return {"Body": io.BytesIO(b"0123"), "ContentRange": "bytes 0-3/10"}
+
+    s = S3Store.__new__(S3Store)
+    s.client, s.bucket, s.prefix, s.ranges = Client(), "b", "", None
+    with pytest.raises(StoreError, match="asked for bytes from 3, got 0"):
+        s.read_range_into("k", 3, memoryview(bytearray(4)))

@@ -87,13 +87,19 @@ def pull(
 SIZE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 
 
+MIN_SIZE, MAX_SIZE = 1 << 16, 1 << 30  # each thread holds one range in memory
+
+
 def parse_size(text: str, option: str) -> int:
-    """``16MiB``, ``1048576``, ``512KiB`` -> bytes; at least 64 KiB."""
+    """``16MiB``, ``1048576``, ``512KiB`` -> bytes; from 64 KiB to 1 GiB."""
     t = text.strip().upper()
     digits = t.rstrip("KMGIB")
     unit = t[len(digits) :]
-    if not digits.isdigit() or unit not in SIZE_UNITS or int(digits) * SIZE_UNITS[unit] < 1 << 16:
+    ok = digits.isascii() and digits.isdigit() and unit in SIZE_UNITS
+    if not ok or not MIN_SIZE <= int(digits) * SIZE_UNITS[unit] <= MAX_SIZE:
         raise InputError(
-            f"{option} {text}", "not a size of at least 64 KiB", "write e.g. 16MiB or 8388608"
+            f"{option} {text}",
+            "not a size from 64 KiB to 1 GiB",
+            "write e.g. 16MiB or 8388608",
         )
     return int(digits) * SIZE_UNITS[unit]

@@ -26,6 +26,9 @@ from pipeline.store.manifest import Manifest, parse_manifest
 MANIFEST = "manifest.json"
 CURRENT = "current"
 BUCKETS = "buckets"
+# A file lands as `.<name>.incomplete` beside its final name, then is renamed over it; no
+# manifest path may end so (it could be another file's temporary name).
+TEMPORARY_SUFFIX = ".incomplete"
 
 
 def safe_relpath(rel: str) -> PurePosixPath:
@@ -41,6 +44,12 @@ def safe_relpath(rel: str) -> PurePosixPath:
         raise InputError(
             f"manifest path '{rel}'",
             "points outside the release directory",
+            "the manifest is malformed or malicious; republish the release",
+        )
+    if any(ord(c) < 32 or ord(c) == 127 for c in rel) or p.name.endswith(TEMPORARY_SUFFIX):
+        raise InputError(
+            f"manifest path {rel!r}",
+            f"holds a control character or ends in '{TEMPORARY_SUFFIX}' (pull's temporary names)",
             "the manifest is malformed or malicious; republish the release",
         )
     return p
@@ -63,6 +72,13 @@ def release_files(manifest: Manifest) -> list[tuple[PurePosixPath, FileRef]]:
                 "republish the release",
             )
         seen.add(rel)
+    folders = {parent for rel in seen for parent in rel.parents}
+    for rel in sorted(seen & folders):  # `a` and `a/b`; a top-level file named `buckets`
+        raise InputError(
+            f"manifest path '{rel}'",
+            "is a file and also the folder of another file",
+            "republish the release",
+        )
     return files
 
 

@@ -49,7 +49,7 @@ from typing import Literal, TypeVar
 from pipeline._files import FILE_MODE, sha256_file
 from pipeline._progress import ByteProgress, byte_progress
 from pipeline.errors import IntegrityError, PipelineError, StoreError
-from pipeline.install.installed import CURRENT, MANIFEST, release_files
+from pipeline.install.installed import CURRENT, MANIFEST, TEMPORARY_SUFFIX, release_files
 from pipeline.store.base import Store
 from pipeline.store.blobs import PART_SIZE, FileRef
 from pipeline.store.layout import blob_key
@@ -194,9 +194,7 @@ def _pull_into(
     for target, ref in copies:
         _link_or_copy(have[ref.sha256], target)
     (staging / MANIFEST).write_bytes(raw)
-    if final.exists():  # an earlier, different install under the same version name
-        shutil.rmtree(final)
-    os.rename(staging, final)
+    _replace_dir(staging, final)
     _point_current(model_dir, version)
     return replace(
         result,
@@ -227,13 +225,27 @@ def _verified(path: Path, ref: FileRef) -> bool:
 def _link_or_copy(src: Path, dest: Path) -> None:
     """A hard link where the filesystem allows (no extra disk), else a copy; atomic."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.incomplete")
+    tmp = dest.with_name(f".{dest.name}{TEMPORARY_SUFFIX}")
     tmp.unlink(missing_ok=True)
     try:
         os.link(src, tmp)
     except OSError:
         shutil.copyfile(src, tmp)
     os.replace(tmp, dest)
+
+
+def _replace_dir(staging: Path, final: Path) -> None:
+    """Rename ``staging`` to ``final``. An earlier, different install under that name is
+    renamed aside first and deleted only after: ``final`` is missing for the moment between
+    two renames, not for as long as deleting a release takes (nor for good, if the pull is
+    killed meanwhile: the next pull of the version deletes what was set aside)."""
+    aside = final.with_name(f".replaced-{final.name}")
+    if aside.exists():
+        shutil.rmtree(aside)
+    if final.exists():
+        os.rename(final, aside)
+    os.rename(staging, final)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _point_current(model_dir: Path, version: str) -> None:
@@ -259,7 +271,7 @@ class _File:
 
     @property
     def tmp(self) -> Path:
-        return self.target.with_name(f".{self.target.name}.incomplete")
+        return self.target.with_name(f".{self.target.name}{TEMPORARY_SUFFIX}")
 
     @property
     def key(self) -> str:
@@ -319,31 +331,33 @@ class _Fetcher:
             f.left = len(f.ranges)
         for f, (start, length) in _interleaved(files):
             self._queue.put((f, start, length))
-        threads = [
-            threading.Thread(target=self._worker, name=f"pull-{i}", daemon=True)
-            for i in range(min(self.concurrency, sum(len(f.ranges) for f in files)))
-        ]
-        for t in threads:
-            t.start()
+        threads: list[threading.Thread] = []
         try:
+            for i in range(min(self.concurrency, sum(len(f.ranges) for f in files))):
+                threads.append(
+                    threading.Thread(target=self._worker, name=f"pull-{i}", daemon=True)
+                )
+                _start(threads[-1])
             with self._idle:
                 while self._open_files and self._error is None:
                     self._idle.wait(0.5)
         finally:
             with self._lock:
-                self._error = self._error or (InterruptedError() if self._open_files else None)
+                self._error = self._error or (_Stopped() if self._open_files else None)
             for _ in threads:
                 self._queue.put(None)
             for t in threads:
-                t.join()
+                if t.ident is not None:  # started
+                    t.join()
             for f in files:
                 if f.fd is not None:  # unfinished
                     os.close(f.fd)
                     if f.ref.parts is None:  # unverified bytes: discard them
                         f.tmp.unlink(missing_ok=True)
                     # else only verified parts were written: the next pull resumes from them
-        if self._error is not None and not isinstance(self._error, InterruptedError):
+        if self._error is not None and not isinstance(self._error, _Stopped):
             raise self._error
+        assert not self._open_files, "the fetch stopped with files still open"
 
     def _enqueue(self, f: _File) -> None:
         f.left = len(f.ranges)
@@ -421,6 +435,22 @@ class _Fetcher:
             raise IntegrityError(f.ref.path, "sha256 mismatch: size 0", "republish the release")
         f.tmp.write_bytes(b"")
         os.replace(f.tmp, f.target)
+
+
+class _Stopped(Exception):
+    """The fetch was stopped from the calling thread (an exception there, Ctrl-C): the
+    workers drain the queue, and the caller's own exception is what propagates. A class of
+    its own, so no error a worker raises (an OSError with EINTR is an InterruptedError) can
+    pass for it."""
+
+
+def _start(thread: threading.Thread) -> None:
+    try:
+        thread.start()
+    except RuntimeError as e:  # can't start new thread: the container's pids or memory limit
+        raise PipelineError(
+            "pull", f"cannot start thread {thread.name}: {e}", "lower --concurrency"
+        ) from None
 
 
 def _interleaved(
@@ -605,14 +635,17 @@ def _preallocated(path: Path, size: int) -> int:
     where the filesystem can (no fragmentation, ENOSPC now rather than mid-pull)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
-        os.posix_fallocate(fd, 0, size)
-    except AttributeError:  # not on this platform
-        os.ftruncate(fd, size)
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
-            os.close(fd)
-            raise
-        os.ftruncate(fd, size)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except AttributeError:  # not on this platform
+            os.ftruncate(fd, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+                raise
+            os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -347,22 +347,30 @@ class S3Store(Store):
             r = self.client.get_object(
                 Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
             )
-            return r["Body"].read()
+            data = r["Body"].read()
         except ClientError as e:
             if e.response.get("Error", {}).get("Code") == "InvalidRange":
                 return b""  # start at or past the end: nothing there, as with a local file
             raise translate_error(e, self._what(key)) from None
         except BotoCoreError as e:
             raise translate_error(e, self._what(key)) from None
+        content_range = r.get("ContentRange")
+        if content_range is None:  # a server that ignores Range sends the whole object
+            return data[start : start + length]
+        first = content_range.removeprefix("bytes ").split("-")[0]
+        if first != str(start):
+            raise StoreError(
+                self._what(key), f"asked for bytes from {start}, got {first or '?'}", "retry"
+            )
+        return data[:length]
 
     def read_range_into(self, key: str, start: int, buf: memoryview) -> int:
         """A ranged GET straight into ``buf`` (see pipeline.store.s3_ranges), or botocore's
         ``get_range`` copied into it where that path is off."""
-        if self.ranges is not None:
+        ranges = self.ranges  # read once: another thread may turn it off meanwhile
+        if ranges is not None:
             try:
-                return self.ranges.read_into(
-                    self.bucket, self._key(key), start, buf, self._what(key)
-                )
+                return ranges.read_into(self.bucket, self._key(key), start, buf, self._what(key))
             except BotocoreOnly:  # another region, a skewed clock: botocore's path from now on
                 self.ranges = None
         return super().read_range_into(key, start, buf)
