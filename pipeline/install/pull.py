@@ -334,9 +334,7 @@ class _Fetcher:
         threads: list[threading.Thread] = []
         try:
             for i in range(min(self.concurrency, sum(len(f.ranges) for f in files))):
-                threads.append(
-                    threading.Thread(target=self._worker, name=f"pull-{i}", daemon=True)
-                )
+                threads.append(threading.Thread(target=self._worker, name=f"pull-{i}", daemon=True))
                 _start(threads[-1])
             with self._idle:
                 while self._open_files and self._error is None:

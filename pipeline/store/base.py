@@ -64,7 +64,7 @@ class Store(ABC):
         """``get_range`` into ``buf``: reads ``len(buf)`` bytes from offset ``start`` and
         returns how many, fewer (or 0) where the object ends sooner; NotFoundError when
         absent. Backends override it to fill ``buf`` without an intermediate copy."""
-        data = self.get_range(key, start, len(buf))[: len(buf)]
+        data = self.get_range(key, start, len(buf))
         buf[: len(data)] = data
         return len(data)
 

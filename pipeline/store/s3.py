@@ -48,7 +48,7 @@ from pipeline.errors import (
 from pipeline.store._redact import scrub
 from pipeline.store.base import ObjectInfo, Store
 from pipeline.store.blobs import FileRef
-from pipeline.store.s3_ranges import BotocoreOnly, RangeReader
+from pipeline.store.s3_ranges import BotocoreOnly, RangeReader, check_content_range
 
 MiB = 1 << 20
 # Parts of 64 MiB: few enough requests for multi-GB graphs, small enough to run in parallel.
@@ -357,11 +357,7 @@ class S3Store(Store):
         content_range = r.get("ContentRange")
         if content_range is None:  # a server that ignores Range sends the whole object
             return data[start : start + length]
-        first = content_range.removeprefix("bytes ").split("-")[0]
-        if first != str(start):
-            raise StoreError(
-                self._what(key), f"asked for bytes from {start}, got {first or '?'}", "retry"
-            )
+        check_content_range(content_range, start, self._what(key))
         return data[:length]
 
     def read_range_into(self, key: str, start: int, buf: memoryview) -> int:

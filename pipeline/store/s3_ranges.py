@@ -157,9 +157,7 @@ class RangeReader:
             raise error
         skip = start if status == 200 else 0  # 200: the whole object (a server without ranges)
         if status == 206:
-            first = (resp.getheader("Content-Range") or "").removeprefix("bytes ").split("-")[0]
-            if first != str(start):
-                raise StoreError(what, f"asked for bytes from {start}, got {first or '?'}", "retry")
+            check_content_range(resp.getheader("Content-Range") or "", start, what)
         got = 0
         try:
             while skip:
@@ -228,6 +226,13 @@ class RangeReader:
         """Close this thread's connections (they are closed anyway when the thread ends)."""
         for conn in self._local.__dict__.pop("conns", {}).values():
             conn.close()
+
+
+def check_content_range(content_range: str, start: int, what: str) -> None:
+    """A 206 reply's ``Content-Range`` must start where the request asked."""
+    first = content_range.removeprefix("bytes ").split("-")[0]
+    if first != str(start):
+        raise StoreError(what, f"asked for bytes from {start}, got {first or '?'}", "retry")
 
 
 def _ssl_context(verify: Any) -> ssl.SSLContext:
