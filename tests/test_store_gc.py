@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.compile.release import publish_release
+from pipeline.errors import NotFoundError
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.blobs import put_blob
@@ -127,6 +129,23 @@ def test_gc_cli(store_url, tmp_path):
     assert json.loads(r.stdout)["deleted_releases"] == ["v2", "v1"]
     r = runner.invoke(app, ["gc", "tiny", "--keep", "-1", "--store", store_url])
     assert r.exit_code == 2
+
+
+def test_gc_of_a_model_the_store_does_not_hold_deletes_nothing(store_url, tmp_path):
+    """A mistyped model name is bad input: it must not go on to sweep orphan blobs."""
+    _publish_versions(store_url, tmp_path, ["v1"])
+    store = open_store(store_url)
+    orphan = tmp_path / "orphan.bin"
+    orphan.write_bytes(b"left by an earlier failed publish")
+    put_blob(store, orphan, "x")
+    before = sorted(store.list(""))
+    with pytest.raises(NotFoundError, match="model 'tinny'"):
+        gc(store, "tinny", keep=0, grace_s=0)
+    r = runner.invoke(
+        app, ["gc", "tinny", "--keep", "0", "--grace-hours", "0", "--store", store_url]
+    )
+    assert r.exit_code == 2 and r.stderr.startswith("error: model 'tinny': has no releases")
+    assert sorted(store.list("")) == before
 
 
 def test_a_release_promoted_during_gc_is_restored(store_url, tmp_path, monkeypatch):

@@ -9,12 +9,12 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.compile.release import publish_release
-from pipeline.errors import NotFoundError
+from pipeline.errors import ManifestError, NotFoundError
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.channels import promote, read_channel
 from pipeline.store.diff import diff_releases
-from pipeline.store.layout import channel_key
+from pipeline.store.layout import channel_key, release_key
 from pipeline.store.releases import list_models, list_releases, read_release, resolve_release
 from tests.store_helpers import (
     bucket_files,
@@ -71,6 +71,26 @@ def test_promote_refuses_a_version_that_does_not_exist(published):
     assert read_channel(published, "tiny", "prod") is None
     r = _cli(published, "promote", "tiny", "v9", "--channel", "prod")
     assert r.exit_code == 2 and r.stderr.startswith("error: release tiny v9: not found")
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [b"{not json", b'{"schema_version": 1}', "copy of v2"],
+    ids=["not-json", "missing-fields", "names-another-release"],
+)
+def test_promote_refuses_a_release_whose_manifest_does_not_read(published, stored):
+    """A channel must never point at a release no pod can pull."""
+    key = release_key("tiny", "v1")
+    if stored == "copy of v2":
+        stored = published.get_bytes(release_key("tiny", "v2"))
+    published.delete_many([key])
+    published.put_bytes(key, stored)
+    with pytest.raises(ManifestError, match="release tiny v1"):
+        promote(published, "tiny", "v1", "prod")
+    assert read_channel(published, "tiny", "prod") is None
+    r = _cli(published, "promote", "tiny", "v1", "--channel", "prod")
+    assert r.exit_code == 2 and r.stderr.startswith("error: release tiny v1 (")
+    assert "republish" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_concurrent_promotes_serialise_through_compare_and_swap(published):

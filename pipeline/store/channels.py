@@ -23,7 +23,7 @@ from pipeline.errors import (
 )
 from pipeline.store.base import Store
 from pipeline.store.layout import channel_key, channels_prefix, release_key
-from pipeline.store.manifest import first_problem, json_object
+from pipeline.store.manifest import first_problem, json_object, parse_release
 
 CHANNEL_SCHEMA = 1
 HISTORY = 20  # moves kept in the pointer file
@@ -99,16 +99,26 @@ def whoami() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def promote(
-    store: Store, model: str, version: str, channel: str, *, by: str | None = None
-) -> Channel:
-    """Point ``channel`` at an existing release; compare-and-swap, retried on a lost race."""
-    if not store.exists(release_key(model, version)):
+def _check_release(store: Store, model: str, version: str) -> None:
+    """The release exists and its manifest reads: a channel must never point at a release
+    that no pod could pull."""
+    key = release_key(model, version)
+    try:
+        data = store.get_bytes(key)
+    except NotFoundError:
         raise NotFoundError(
             f"release {model} {version}",
             f"not found in {store.url}",
             f"publish it first, or see 'inf2-pipeline list {model}'",
-        )
+        ) from None
+    parse_release(data, f"release {model} {version} ({store.url}/{key})", model, version)
+
+
+def promote(
+    store: Store, model: str, version: str, channel: str, *, by: str | None = None
+) -> Channel:
+    """Point ``channel`` at an existing release; compare-and-swap, retried on a lost race."""
+    _check_release(store, model, version)
     by = by or whoami()
     principal = store.principal()
     key = channel_key(model, channel)

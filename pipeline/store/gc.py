@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeline.errors import AlreadyExistsError, InputError
+from pipeline.errors import AlreadyExistsError, InputError, NotFoundError
 from pipeline.store.base import ObjectInfo, Store
 from pipeline.store.cache import CacheEntry, read_cache_entry
 from pipeline.store.channels import list_channels
@@ -87,9 +87,16 @@ def gc(
     cutoff = now - grace_s
 
     entries = _cache_entries(store)
+    if not releases and not pointed and not any(_names(e, model) for _, e in entries):
+        # A mistyped name must not go on to sweep the store's orphan blobs.
+        raise NotFoundError(
+            f"model '{model}'",
+            f"has no releases, channels or cache entries in {store.url}",
+            f"check the name: 'inf2-pipeline list --store {store.url}' shows the models",
+        )
     dead_entries = []
     for info, entry in entries:
-        mine = entry is not None and (entry.key in ours or entry.meta.get("model") == model)
+        mine = entry is not None and (entry.key in ours or _names(entry, model))
         if mine and entry.key not in used_keys and info.mtime < cutoff:
             dead_entries.append(info.key)
         elif entry is not None:
@@ -122,6 +129,10 @@ def gc(
         young_orphans=young,
         incomplete_uploads=incomplete,
     )
+
+
+def _names(entry: CacheEntry | None, model: str) -> bool:
+    return entry is not None and entry.meta.get("model") == model
 
 
 def _keys(bucket: BucketEntry) -> list[str]:

@@ -101,6 +101,18 @@ def parse_manifest(data: bytes, what: str) -> Manifest:
 REPUBLISH = "the manifest is malformed; republish the release"
 
 
+def parse_release(data: bytes, what: str, model: str, version: str) -> Manifest:
+    """``parse_manifest`` for the bytes stored under release ``model``/``version``: they
+    must name that release (a manifest copied under another name would install or be
+    promoted as a release it is not)."""
+    manifest = parse_manifest(data, what)
+    if (manifest.model, manifest.version) != (model, version):
+        raise ManifestError(
+            what, f"the manifest names release {manifest.model} {manifest.version}", REPUBLISH
+        )
+    return manifest
+
+
 def json_object(data: bytes, what: str, hint: str) -> dict[str, Any]:
     """Stored pointer or manifest bytes as a JSON object; else one ``ManifestError`` line."""
     try:

@@ -12,7 +12,7 @@ from pipeline.errors import InputError, NotFoundError
 from pipeline.store.base import Store
 from pipeline.store.channels import list_channels, read_channel
 from pipeline.store.layout import MODELS_PREFIX, release_key, releases_prefix
-from pipeline.store.manifest import Manifest, parse_manifest
+from pipeline.store.manifest import Manifest, parse_release
 
 READ_CONCURRENCY = 16
 
@@ -32,7 +32,8 @@ def read_release_bytes(store: Store, model: str, version: str) -> tuple[Manifest
             f"not found in {store.url}",
             f"see 'inf2-pipeline list {model} --store {store.url}'",
         ) from None
-    return parse_manifest(data, f"release {model} {version} ({store.url}/{key})"), data
+    what = f"release {model} {version} ({store.url}/{key})"
+    return parse_release(data, what, model, version), data
 
 
 def resolve_version(
