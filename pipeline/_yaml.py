@@ -53,8 +53,83 @@ class _Keyed:
         self.value = value
 
 
+# Configs and grids are a few levels deep; anything deeper is a mistake or an attack, and
+# PyYAML's composer recurses once a level (100000 `[` would end in RecursionError).
+MAX_DEPTH = 32
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses, while composing, what configs never need but attackers use.
+
+    * Aliases (``*name``) are refused outright. No file in configs/ or buckets/, no doc and no
+      test uses anchors, and the schema is small enough to write out in full. A cap on the
+      number of aliases would not be enough: 81 aliases (9 levels of 9) already expand to 9**9
+      values in every walk of the data (duplicate-key check, pydantic), the "billion laughs".
+      Refusing them also keeps every value's line its own (an alias would report its anchor's).
+    * Explicit tags (``!!python/object:...``, ``!foo``, ``!!int``) are refused: the safe
+      constructor rejects the unknown ones with a traceback, and the known ones only convert a
+      plain value that quoting or leaving the tag off expresses as well.
+    * Nesting deeper than MAX_DEPTH.
+    """
+
+    def __init__(self, text: str, shown: str) -> None:
+        super().__init__(text)
+        self._shown = shown
+        self._depth = 0
+
+    def _refuse(self, why: str, hint: str, event: yaml.Event) -> ConfigError:
+        return ConfigError(self._shown, why, hint, line=event.start_mark.line + 1)
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            raise self._refuse(
+                f"YAML alias '*{event.anchor}' is not supported",
+                "write the value out in full instead of referring to an anchor",
+                event,
+            )
+        tag = getattr(event, "tag", None)
+        if tag is not None:
+            # Show `!!int` as written, not its expansion `tag:yaml.org,2002:int`.
+            tag = tag.replace("tag:yaml.org,2002:", "!!", 1)
+            raise self._refuse(
+                f"YAML tag '{tag}' is not supported",
+                "remove the tag; quote the value if it must stay a string",
+                event,
+            )
+        if self._depth >= MAX_DEPTH:
+            raise self._refuse(
+                f"nested deeper than {MAX_DEPTH} levels",
+                "configs and grids are a few levels deep; check the brackets and indentation",
+                event,
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        # Plain values that match a YAML type but do not convert (2024-13-45, an int of 5000
+        # digits) raise ValueError from deep inside the constructor, with no line.
+        try:
+            return super().construct_object(node, deep=deep)
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ConfigError(
+                self._shown,
+                f"cannot read the value: {e}",
+                "fix the value, or quote it to keep it a string",
+                line=node.start_mark.line + 1,
+            ) from None
+
+
 def load_yaml(path: Path) -> Located:
-    """Parse ``path``; malformed YAML and duplicate keys raise ConfigError with the line."""
+    """Parse ``path`` safely; every problem raises ConfigError with the file and line.
+
+    Malformed YAML, duplicate or non-scalar keys, aliases, tags and deep nesting are refused.
+    """
     shown = str(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -64,8 +139,13 @@ def load_yaml(path: Path) -> Located:
         raise ConfigError(
             shown, f"cannot read: {e.__class__.__name__}", "pass a YAML file"
         ) from None
+    loader = _StrictLoader(text, shown)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        # One parse: the node tree (for lines and checks) and the data built from it.
+        node = loader.get_single_node()
+        if node is not None:
+            _reject_duplicate_keys(shown, node)
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
@@ -75,9 +155,8 @@ def load_yaml(path: Path) -> Located:
             "fix the syntax",
             line=mark.line + 1 if mark else None,
         ) from None
-    if node is not None:
-        _reject_duplicate_keys(shown, node)
-    data = yaml.safe_load(text) if node is not None else None
+    finally:
+        loader.dispose()
     return Located(path, data, node)
 
 
@@ -85,6 +164,14 @@ def _reject_duplicate_keys(shown: str, node: yaml.Node) -> None:
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
         for key, value in node.value:
+            if not isinstance(key, yaml.ScalarNode):
+                # `? [a, b]: c`: no config key is a list or mapping, and it is unhashable.
+                raise ConfigError(
+                    shown,
+                    "a key must be a plain name, not a list or mapping",
+                    "write the key as a plain name",
+                    line=key.start_mark.line + 1,
+                )
             k = key.value
             if k in seen:
                 raise ConfigError(

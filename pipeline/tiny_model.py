@@ -11,7 +11,14 @@ import tempfile
 from pathlib import Path
 
 from pipeline.errors import InputError
-from pipeline.plan.checkpoint import ARCHITECTURES
+from pipeline.plan.checkpoint import ARCHITECTURES, ModelShape
+
+# A tiny model is for tests and demos (the default has ~0.2M parameters). The cap keeps a typo
+# (--hidden 10000000) from ending in a torch allocation traceback after minutes of swapping:
+# 100M parameters is 400 MB of fp32 weights, held twice while saving.
+MAX_TINY_PARAMS = 100_000_000
+# torch.manual_seed's range (it maps negative seeds into the 64-bit unsigned range).
+_SEED_RANGE = (-(2**63), 2**64 - 1)
 
 # Enough text for a BPE vocabulary of a few hundred tokens; any text would do. Trained
 # offline (no hub), so the demo can serve text prompts.
@@ -68,6 +75,39 @@ def write_tiny_tokenizer(out: Path, vocab: int) -> None:
     fast.save_pretrained(str(out))
 
 
+def tiny_param_count(
+    *,
+    arch: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    intermediate: int | None = None,
+) -> int:
+    """Parameters of the model ``write_tiny_model`` would write, counted before allocating."""
+    return ModelShape(
+        model_type=arch,
+        hidden=hidden,
+        layers=layers,
+        q_heads=heads,
+        kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        intermediate=intermediate or 2 * hidden,
+        vocab=vocab,
+        tied_embeddings=False,
+        qkv_bias=ARCHITECTURES[arch].qkv_bias,
+    ).param_count()
+
+
+def _dtype_kwarg(version: str) -> str:
+    """transformers 4.56 renamed ``torch_dtype`` to ``dtype`` (configs and from_config) and
+    warns on stderr for the old name; pyproject still allows 4.48, which knows only the old."""
+    from packaging.version import Version
+
+    return "dtype" if Version(version) >= Version("4.56") else "torch_dtype"
+
+
 def write_tiny_model(
     out: Path,
     *,
@@ -107,6 +147,27 @@ def write_tiny_model(
         raise InputError(
             "--kv-heads", f"{heads} query heads are not a multiple of {kv_heads}", None
         )
+    if intermediate is not None and intermediate < 1:
+        raise InputError("intermediate", f"must be ≥ 1, got {intermediate}", None)
+    if not _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]:
+        raise InputError("--seed", f"{seed} is out of range", "use a seed in 0..2**64-1")
+    params = tiny_param_count(
+        arch=arch,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab=vocab,
+        intermediate=intermediate,
+    )
+    if params > MAX_TINY_PARAMS:
+        raise InputError(
+            "tiny model",
+            f"{layers} layers, hidden {hidden} and vocab {vocab} make {params:,} parameters "
+            f"({params * 4 / 2**30:,.1f} GiB in fp32)",
+            f"a tiny model is for tests and demos: at most {MAX_TINY_PARAMS:,} parameters "
+            f"({MAX_TINY_PARAMS * 4 // 10**6} MB); lower --layers, --hidden or --vocab",
+        )
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise InputError(
@@ -132,15 +193,24 @@ def write_tiny_model(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        torch_dtype="float32",
+        **{_dtype_kwarg(transformers.__version__): "float32"},
     )
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, **{_dtype_kwarg(transformers.__version__): torch.float32}
+    )
     model.generation_config.do_sample = False
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".incomplete", dir=out.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        # A one-file checkpoint: transformers' "Writing model shards" bar is noise on stderr.
+        bar = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()
+        try:
+            model.save_pretrained(tmp, safe_serialization=True)
+        finally:
+            if bar:
+                transformers.utils.logging.enable_progress_bar()
         if vocab >= MIN_TOKENIZER_VOCAB:
             write_tiny_tokenizer(tmp, vocab)
         if out.exists():

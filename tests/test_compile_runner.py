@@ -273,9 +273,11 @@ def test_sigkilled_compile_leaves_no_worker_or_compiler(config, tmp_path):
         proc.kill()  # no handler runs: the workers are on their own
         proc.wait()
         # The workers see it at once (parent-death signal) or within WATCH_S (their watch
-        # thread); 20 s is slack for a loaded machine, not the expected time.
+        # thread); 20 s is slack for a loaded machine, not the expected time. A killed
+        # process's argv reads empty while it tears down, before it is a zombie: wait for
+        # the pids too, not only for the marker to disappear.
         deadline = time.monotonic() + 20
-        while _live_with(marker) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (_live_with(marker) or any(_alive(p) for p in pids)):
             time.sleep(0.1)
         assert _live_with(marker) == []
         assert not any(_alive(p) for p in pids)

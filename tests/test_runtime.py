@@ -150,6 +150,53 @@ def test_run_command(installed):
     assert r.exit_code == 2 and "not a list of integers" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "damaged", ["config.json", "buckets/b1_s32/graph.json", "buckets/b1_s32/weights.safetensors"]
+)
+def test_run_of_right_size_wrong_bytes_is_one_line_naming_the_file(installed, tmp_path, damaged):
+    """Load checks sizes only; bytes that do not parse are hashed, and the damaged file is
+    named (exit 1, pull again), not a JSONDecodeError or SafetensorError traceback."""
+    import shutil
+
+    from pipeline.cli import app
+
+    _, model_dir = installed
+    copy = tmp_path / "r"
+    shutil.copytree(model_dir / "current", copy)
+    path = copy / damaged
+    data = bytearray(path.read_bytes())
+    data[:8] = b"\xff" * 8  # the JSON's first brace, the safetensors header's length
+    path.write_bytes(bytes(data))
+    r = CliRunner().invoke(app, ["run", str(copy), "--prompt-ids", "1,2,3"])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()], repr(r.exception)
+    assert damaged.split("/")[-1] in r.stderr and "pull the release again" in r.stderr
+
+
+def test_run_compare_hf(installed, tiny_checkpoint, tmp_path):
+    """--compare-hf: the compiled tokens beside Hugging Face's; another checkpoint is refused
+    naming --compare-hf (the flag the user typed), before any model is built."""
+    import shutil
+
+    from pipeline.cli import app
+
+    _, model_dir = installed
+    args = ["run", str(model_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]
+    r = CliRunner().invoke(app, [*args, "--compare-hf", str(tiny_checkpoint), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["match"] is True and data["hf_tokens"] == data["new_tokens"]
+    other = tmp_path / "other"
+    shutil.copytree(tiny_checkpoint, other)
+    weights = other / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one weight's last byte: another checkpoint, same shapes
+    weights.write_bytes(bytes(data))
+    r = CliRunner().invoke(app, [*args, "--compare-hf", str(other)])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith(f"error: --compare-hf {other}: weights digest ")
+
+
 def test_weights_that_do_not_fit_the_graphs_are_one_clear_error(installed, tmp_path):
     """Graphs of one build beside the weights of another (say, unfused names): an
     IntegrityError naming the missing weight, not a KeyError from deep in the loader."""

@@ -187,13 +187,13 @@ def test_local_compare_and_swap_survives_a_writer_killed_holding_the_lock(tmp_pa
 
 
 def test_s3_url_parsing():
-    assert parse_s3_url("s3://b/some/prefix/") == ("b", "some/prefix/", {})
-    assert parse_s3_url("s3://b") == ("b", "", {})
-    assert parse_s3_url("s3://b/p?addressing_style=path")[2] == {"addressing_style": "path"}
+    assert parse_s3_url("s3://bkt/some/prefix/") == ("bkt", "some/prefix/", {})
+    assert parse_s3_url("s3://bkt") == ("bkt", "", {})
+    assert parse_s3_url("s3://bkt/p?addressing_style=path")[2] == {"addressing_style": "path"}
     with pytest.raises(InputError):
-        parse_s3_url("s3://b/p?addressing_style=sideways")
+        parse_s3_url("s3://bkt/p?addressing_style=sideways")
     with pytest.raises(InputError):
-        parse_s3_url("s3://b/p?region=x")
+        parse_s3_url("s3://bkt/p?region=x")
 
 
 def test_one_client_factory_sets_timeouts_and_standard_retries(s3_env):

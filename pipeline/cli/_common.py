@@ -17,6 +17,7 @@ try:  # Typer ≥ 0.20 vendors click; its exceptions live here, not in `click`.
 except ImportError:  # pragma: no cover - older Typer uses click itself
     from click import exceptions as cx  # type: ignore[no-redef]
 
+from pipeline._files import path_error
 from pipeline.errors import PipelineError
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
@@ -64,7 +65,10 @@ class OneLineErrors(TyperGroup):
         except OSError as e:
             if debug:
                 raise
-            _fail(f"{getattr(e, 'filename', None) or 'I/O'}: {e.strerror or e}", 1)
+            # A path the user can fix (permissions, a file in the way) is bad input, exit 2;
+            # a full disk or an I/O error is exit 1. Never a temporary file's name.
+            err = path_error(e)
+            _fail(err.one_line(), err.exit_code)
         return None
 
 

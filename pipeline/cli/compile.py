@@ -77,7 +77,10 @@ def release(
     """Compile every bucket (cache hits are free), then publish the release."""
     from pipeline.compile.release import publish_release
     from pipeline.plan.config import load_config
+    from pipeline.store.layout import check_version
 
+    if version is not None:  # publish would refuse it, but only after the whole compile
+        check_version(version)
     rel = load_config(config)
     if store:  # one store for both: the cache compile fills is the one publish reads
         rel = replace(rel, config=rel.config.model_copy(update={"store": store}))

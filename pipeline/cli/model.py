@@ -23,7 +23,10 @@ def tiny_model(
     seed: int = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty DIR.")] = False,
 ) -> None:
-    """Write a deterministic random-weight Hugging Face checkpoint (GQA Llama by default)."""
+    """Write a deterministic random-weight Hugging Face checkpoint (GQA Llama by default).
+
+    For tests and demos: at most 100M parameters (400 MB of fp32 weights).
+    """
     from pipeline.tiny_model import write_tiny_model
 
     path = write_tiny_model(

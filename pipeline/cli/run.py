@@ -54,7 +54,7 @@ def run(
     if compare_hf:
         from pipeline.parity import Reference
 
-        ref = Reference(model.dir, model.manifest, "cpu", compare_hf)
+        ref = Reference(model.dir, model.manifest, "cpu", compare_hf, "--compare-hf")
         result["hf_tokens"] = ref.greedy(prompt, max_new_tokens - 1)[0]
         result["match"] = result["hf_tokens"] == new
     if json:

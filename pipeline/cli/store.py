@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from pipeline.cli._common import JsonOpt, StoreOpt, human_bytes, print_json
+from pipeline.errors import NotFoundError
 
 ModelArg = Annotated[str, typer.Argument(help="Model name (the config's model.name).")]
 ChannelOpt = Annotated[
@@ -61,7 +62,10 @@ def publish(
     """Publish compiled buckets as an immutable release: missing blobs, then the manifest."""
     from pipeline.compile.release import publish_release
     from pipeline.plan.config import load_config
+    from pipeline.store.layout import check_version
 
+    if version is not None:
+        check_version(version)
     release = load_config(config)
     dest = _open(store) if store else None
     with _progress("uploading", quiet=json) as advance:
@@ -138,6 +142,10 @@ def list_(
         return
     releases = list_releases(s, model)
     channels = channels_by_version(s, model)
+    if not releases and not channels:
+        # Nothing under models/MODEL/: most likely a typo, which an empty list would hide.
+        # A model whose releases were all deleted but keeps a channel is known: empty list.
+        raise _unknown_model(s, model)
     rows = [
         {
             "version": m.version,
@@ -165,6 +173,20 @@ def list_(
             f"{r['backend']:<7}  {r['buckets']:>7}  {human_bytes(r['bytes']):>10}  "
         )
         typer.echo((line + ", ".join(r["channels"])).rstrip())
+
+
+def _unknown_model(s, model: str) -> NotFoundError:
+    import difflib
+
+    from pipeline.store.releases import list_models
+
+    close = difflib.get_close_matches(model, list_models(s), n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return NotFoundError(
+        f"model '{model}'",
+        f"no releases of {model} in {s.url}",
+        f"{hint}'inf2-pipeline list --store {s.url}' lists the models",
+    )
 
 
 def show(

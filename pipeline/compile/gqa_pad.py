@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pipeline.errors import CheckpointError, InputError, UnsupportedArchitectureError
-from pipeline.plan.checkpoint import ModelShape, read_shape
+from pipeline.plan.checkpoint import ModelShape, read_shape, reading_weights
 from pipeline.plan.config import DTYPE_BYTES
 from pipeline.plan.gqa import GqaPlan, plan_gqa
 
@@ -203,7 +203,7 @@ def _tensor_names(
     names: list[tuple[Path, str]] = []
     metadata: dict[str, str] = {}
     for f in files:
-        with safe_open(f, framework="pt") as sf:
+        with reading_weights(f), safe_open(f, framework="pt") as sf:
             metadata = metadata or dict(sf.metadata() or {})
             keys = sf.keys()
             for name in keys:
@@ -238,9 +238,11 @@ def _write_weights(
 
     try:
         for f, name in names:
-            if f not in opened:
-                opened[f] = inputs.enter_context(safe_open(f, framework="pt"))
-            t = pad_tensor(name, opened[f].get_tensor(name), shape, plan)  # type: ignore[attr-defined]
+            with reading_weights(f):
+                if f not in opened:
+                    opened[f] = inputs.enter_context(safe_open(f, framework="pt"))
+                t = opened[f].get_tensor(name)  # type: ignore[attr-defined]
+            t = pad_tensor(name, t, shape, plan)
             if shard and size + t.nbytes > max_shard_bytes:
                 flush()
             shard[name] = t

@@ -24,6 +24,7 @@ from pipeline.store._redact import scrub
 from pipeline.store.base import Store
 from pipeline.store.blobs import FileRef, file_ref
 from pipeline.store.cache import CacheEntry, read_cache_entry
+from pipeline.store.layout import check_version
 from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.publish import (
     DEFAULT_JOBS,
@@ -55,7 +56,23 @@ def default_key_fn() -> KeyFn:
         raise InputError(
             "publish", "the compile stage is not installed", "install inf2-pipeline[torch]"
         ) from None
-    return bucket_cache_key
+
+    def key(release: Release, bucket: Any, backend: str) -> str:
+        try:
+            return bucket_cache_key(release, bucket, backend)
+        except InputError:
+            raise
+        except PipelineError:
+            # A key names the toolchain's versions (neuronx-cc --version): where the toolchain
+            # is missing, say so as compile does (exit 2, how to install it), not as a failed
+            # subprocess. Checked only on failure: cuda keys need no GPU, so a CPU machine
+            # may publish what a GPU machine compiled.
+            from pipeline.compile.backends import resolve_backend
+
+            resolve_backend(backend)
+            raise
+
+    return key
 
 
 def default_weights_key_fn() -> WeightsKeyFn:
@@ -256,6 +273,8 @@ def publish_release(
     """Publish what compile produced for ``release`` into ``store`` (default: the config's
     store, which is also where the compile cache lives). ``key_fn`` without
     ``weights_key_fn``: its graph entries hold the weights too."""
+    if version is not None:  # before reading the cache: a bad name fails at once
+        check_version(version)
     cache = open_store(release.store_url)
     dest = store or cache
     if weights_key_fn is None:

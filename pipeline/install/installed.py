@@ -13,13 +13,14 @@ DEST/<model>/current -> <version>             swapped atomically after a complet
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from pipeline._files import sha256_file
-from pipeline.errors import InputError, IntegrityError
+from pipeline.errors import InputError, IntegrityError, PipelineError
 from pipeline.store.blobs import FileRef
 from pipeline.store.manifest import Manifest, parse_manifest
 
@@ -165,3 +166,19 @@ def verify_files(
                 f"sha256 {hashed[key][:12]} differs from the manifest's {ref.sha256[:12]}",
                 "the install is damaged; pull the release again",
             )
+
+
+@contextlib.contextmanager
+def reading(installed: InstalledRelease, buckets: Collection[str] | None = None) -> Iterator[None]:
+    """Parse the release's files inside this: load time checks sizes only, so a file of the
+    right size with wrong bytes first shows as a parser's error (JSON, zip, safetensors).
+    On such an error, hash the files read (release-wide, and ``buckets``, default all): a
+    damaged one is one ``IntegrityError`` line, "pull the release again"; if all match, the
+    error stands."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except Exception:
+        verify_files(installed, "sha256", buckets)
+        raise

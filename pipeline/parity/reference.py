@@ -18,14 +18,20 @@ class Reference:
     """The eager Hugging Face model in fp32 (see the module docstring for its weights)."""
 
     def __init__(
-        self, release_dir: Path, manifest: Manifest, device: str, checkpoint: Path | None
+        self,
+        release_dir: Path,
+        manifest: Manifest,
+        device: str,
+        checkpoint: Path | None,
+        option: str = "--checkpoint",
     ) -> None:
+        """``option``: the command's flag that gave ``checkpoint``, named in its errors."""
         self.release_dir = release_dir
         self.manifest = manifest
         self.device = device
         self.checkpoint = Path(checkpoint) if checkpoint else None
         if self.checkpoint is not None:
-            check_checkpoint(self.checkpoint, release_dir, manifest)
+            check_checkpoint(self.checkpoint, release_dir, manifest, option)
         config = json.loads((release_dir / "config.json").read_text())
         self.vocab = int(config["vocab_size"])
         self._model: Any = None
@@ -80,7 +86,9 @@ class Reference:
         )
 
 
-def check_checkpoint(checkpoint: Path, release_dir: Path, manifest: Manifest) -> None:
+def check_checkpoint(
+    checkpoint: Path, release_dir: Path, manifest: Manifest, option: str = "--checkpoint"
+) -> None:
     """The checkpoint must be the one the release was compiled from: same weights digest,
     same config.json (as JSON)."""
     from pipeline.compile.keys import digest, model_config_digest, weights_digest
@@ -88,7 +96,7 @@ def check_checkpoint(checkpoint: Path, release_dir: Path, manifest: Manifest) ->
     found = weights_digest(checkpoint)
     if found != manifest.weights_digest:
         raise InputError(
-            f"--checkpoint {checkpoint}",
+            f"{option} {checkpoint}",
             f"weights digest {found[:12]} differs from the release's "
             f"{manifest.weights_digest[:12]}",
             "pass the checkpoint this release was compiled from",
@@ -98,7 +106,7 @@ def check_checkpoint(checkpoint: Path, release_dir: Path, manifest: Manifest) ->
         json.loads(config.read_text())
     ):
         raise InputError(
-            f"--checkpoint {checkpoint}",
+            f"{option} {checkpoint}",
             "its config.json differs from the release's",
             "pass the checkpoint this release was compiled from",
         )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import CheckpointError, UnsupportedArchitectureError
+from pipeline.errors import CheckpointError, PipelineError, UnsupportedArchitectureError
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ def neuron_export_config(cfg: dict[str, Any], what: str) -> dict[str, Any]:
     the architecture and what can be exported.
     """
     model_type = cfg.get("model_type", "?")
-    arch = ",".join(cfg.get("architectures") or [model_type])
+    arch = _arch_name(cfg, model_type)
     if model_type in NEURON_DECODERS:
         return dict(cfg)
     if model_type != "mistral":
@@ -86,8 +88,10 @@ def _mistral_not_llama(cfg: dict[str, Any]) -> str | None:
     if head_dim is not None and hidden and heads and head_dim != hidden // heads:
         return f"has head_dim {head_dim} ≠ hidden_size/heads ({hidden // heads})"
     # Other RoPE types fall back to transformers' rotary embedding (modeling_llama.py:139-155).
-    rope = cfg.get("rope_scaling") or {}
-    params = cfg.get("rope_parameters") or {}  # transformers 5 writes this instead
+    rope = cfg.get("rope_scaling")
+    params = cfg.get("rope_parameters")  # transformers 5 writes this instead
+    rope = rope if isinstance(rope, dict) else {}
+    params = params if isinstance(params, dict) else {}
     kind = rope.get("rope_type") or rope.get("type") or params.get("rope_type") or "default"
     if kind not in ("default", "llama3"):
         return f"uses rope type '{kind}'"
@@ -96,7 +100,10 @@ def _mistral_not_llama(cfg: dict[str, Any]) -> str | None:
 
 def check_neuron_exportable(checkpoint: Path) -> None:
     """Raise one line unless optimum-neuron can export this checkpoint (maybe as llama)."""
-    neuron_export_config(read_config(checkpoint), str(checkpoint))
+    cfg = read_config(checkpoint)
+    if cfg.get("model_type") in ARCHITECTURES:
+        read_shape(checkpoint)  # its sizes, checked first: _mistral_not_llama does sums on them
+    neuron_export_config(cfg, str(checkpoint))
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ def read_config(checkpoint: Path) -> dict[str, Any]:
     """``checkpoint/config.json`` as a dict; a missing or broken file is one line."""
     path = Path(checkpoint) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
+        cfg = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(
             str(checkpoint), "no config.json", "point at a Hugging Face checkpoint directory"
@@ -139,42 +146,131 @@ def read_config(checkpoint: Path) -> dict[str, Any]:
         raise CheckpointError(
             str(path), f"not valid JSON: {e.msg} at line {e.lineno}", None
         ) from None
+    except (IsADirectoryError, UnicodeDecodeError) as e:
+        raise CheckpointError(
+            str(path), f"cannot read: {e.__class__.__name__}", "it must be a JSON text file"
+        ) from None
+    except RecursionError:  # json's decoder recurses once per nested [ or {
+        raise CheckpointError(str(path), "not valid JSON: nested too deeply", None) from None
     if not isinstance(cfg, dict):
         raise CheckpointError(str(path), "not a JSON object", None)
     return cfg
 
 
+def _arch_name(cfg: dict[str, Any], model_type: Any) -> str:
+    """The architectures list for a message, whatever a broken config.json holds there."""
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs:
+        return ",".join(str(a) for a in archs)
+    return str(model_type)
+
+
+def _whole(path: Path, cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """``cfg[key]`` as a whole number ≥ 1, or CheckpointError naming the file and key.
+
+    ``default`` stands in for an absent or null key (Hugging Face's own rule for the optional
+    num_key_value_heads and head_dim); a required key has none and raises KeyError when
+    absent. Not int(): it truncates 8.5 to 8 and turns true into 1. A whole float (8.0) is
+    exact, so it is taken.
+    """
+    value = cfg[key] if default is None else cfg.get(key)
+    if value is None and default is not None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise CheckpointError(
+        f"{path}: {key}",
+        f"must be a whole number ≥ 1, got {json.dumps(value)}",
+        "fix the checkpoint's config.json",
+    )
+
+
+def _flag(path: Path, cfg: dict[str, Any], key: str, default: bool) -> bool:
+    """``cfg[key]`` as a bool. Not bool(): bool("false") is True. Null or absent is
+    ``default``."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    raise CheckpointError(
+        f"{path}: {key}",
+        f"must be true or false, got {json.dumps(value)}",
+        "fix the checkpoint's config.json",
+    )
+
+
 def read_shape(checkpoint: Path) -> ModelShape:
-    """Read ``checkpoint/config.json``; unsupported architectures get a clear error."""
+    """Read ``checkpoint/config.json``; an unsupported architecture or a bad value is one line
+    naming the file and key. Checked here, not left to plan_gqa: its messages name the
+    ``gqa plan`` flags (``--heads``), which the user never gave when the value is the file's."""
     path = Path(checkpoint) / "config.json"
     cfg = read_config(checkpoint)
     model_type = cfg.get("model_type", "?")
-    if model_type not in ARCHITECTURES:
-        arch = ",".join(cfg.get("architectures") or [model_type])
+    if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             str(checkpoint),
-            f"architecture {arch} (model_type '{model_type}') is not supported",
+            f"architecture {_arch_name(cfg, model_type)} (model_type '{model_type}') "
+            "is not supported",
             f"supported model types: {', '.join(sorted(ARCHITECTURES))}",
         )
     try:
-        q = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        return ModelShape(
-            model_type=model_type,
-            hidden=hidden,
-            layers=int(cfg["num_hidden_layers"]),
-            q_heads=q,
-            kv_heads=int(cfg.get("num_key_value_heads") or q),
-            head_dim=int(cfg.get("head_dim") or hidden // q),
-            intermediate=int(cfg["intermediate_size"]),
-            vocab=int(cfg["vocab_size"]),
-            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", ARCHITECTURES[model_type].qkv_bias)),
-        )
+        q = _whole(path, cfg, "num_attention_heads")
+        hidden = _whole(path, cfg, "hidden_size")
+        layers = _whole(path, cfg, "num_hidden_layers")
+        intermediate = _whole(path, cfg, "intermediate_size")
+        vocab = _whole(path, cfg, "vocab_size")
     except KeyError as e:
         raise CheckpointError(
             str(path), f"missing key {e.args[0]}", "is this a decoder LLM?"
         ) from None
+    kv = _whole(path, cfg, "num_key_value_heads", default=q)
+    if q % kv:
+        raise CheckpointError(
+            f"{path}: num_attention_heads",
+            f"{q} query heads do not divide into num_key_value_heads {kv}",
+            "fix the checkpoint's config.json: query heads must be a multiple of KV heads",
+        )
+    if hidden < q:  # the default head_dim, hidden // q, would be 0
+        raise CheckpointError(
+            f"{path}: hidden_size",
+            f"{hidden} is smaller than num_attention_heads {q}",
+            "fix the checkpoint's config.json",
+        )
+    return ModelShape(
+        model_type=model_type,
+        hidden=hidden,
+        layers=layers,
+        q_heads=q,
+        kv_heads=kv,
+        head_dim=_whole(path, cfg, "head_dim", default=hidden // q),
+        intermediate=intermediate,
+        vocab=vocab,
+        tied_embeddings=_flag(path, cfg, "tie_word_embeddings", False),
+        qkv_bias=_flag(path, cfg, "attention_bias", ARCHITECTURES[model_type].qkv_bias),
+    )
+
+
+@contextlib.contextmanager
+def reading_weights(path: Path) -> Iterator[None]:
+    """A weights file parsed inside this: a damaged one (bad header, truncated, not a
+    pickle) is one ``CheckpointError`` line naming it, not the parser's traceback."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except Exception as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            str(path), f"not a readable weights file ({why})", "copy or save the checkpoint again"
+        ) from None
+
+
+def _load(path: Path, load: Any) -> dict[str, Any]:
+    with reading_weights(path):
+        return dict(load(path))
 
 
 def read_checkpoint(model_dir: Path) -> dict[str, Any]:
@@ -185,8 +281,9 @@ def read_checkpoint(model_dir: Path) -> dict[str, Any]:
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if files:
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
+        return {k: v for f in files for k, v in _load(f, lambda p: load_file(str(p))).items()}
     files = sorted(Path(model_dir).glob("*.bin"))
     if not files:
         raise CheckpointError(str(model_dir), "no *.safetensors or *.bin weights", None)
-    return {k: v for f in files for k, v in torch.load(f, weights_only=True).items()}
+    load_bin = lambda p: torch.load(p, weights_only=True)  # noqa: E731
+    return {k: v for f in files for k, v in _load(f, load_bin).items()}

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import InputError
-from pipeline.install.installed import InstalledRelease, open_installed
+from pipeline.install.installed import InstalledRelease, open_installed, reading
 from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.runtime.runners import Runner, Session, open_runner
 
@@ -33,7 +33,9 @@ class BucketedModel:
         self.buckets = sorted(Bucket(b.batch, b.seq) for b in self.manifest.buckets.values())
         self.max_batch = max(b.batch for b in self.buckets)
         self.max_seq = max(b.seq for b in self.buckets)
-        self.eos_token_id = _eos_token_id(self.dir)
+        with reading(installed, buckets=()):
+            self.eos_token_id = _eos_token_id(self.dir)
+            self._vocab_size = int(json.loads((self.dir / "config.json").read_text())["vocab_size"])
 
     @classmethod
     def load(
@@ -43,7 +45,9 @@ class BucketedModel:
         the files (by size), and that this runtime can run the release. ``options`` go to
         the backend's runner (neuron: ``hbm_budget``, bytes per NeuronCore)."""
         installed = open_installed(path, verify="size")
-        return cls(installed, open_runner(installed, backend, cuda_graphs=cuda_graphs, **options))
+        with reading(installed):
+            runner = open_runner(installed, backend, cuda_graphs=cuda_graphs, **options)
+        return cls(installed, runner)
 
     def select(self, batch: int, seq: int) -> Bucket:
         """The bucket with the fewest padded tokens holding ``batch`` rows of ``seq`` tokens."""
@@ -70,11 +74,18 @@ class BucketedModel:
 
     def warmup(self) -> None:
         """Load the buckets (those that fit, where the runner has a memory budget)."""
-        self.runner.warmup(self.buckets)
+        with reading(self.installed, [b.name for b in self.buckets]):
+            self.runner.warmup(self.buckets)
+
+    def warm_buckets(self) -> list[Bucket]:
+        """The buckets ``warmup`` left loaded: every one, unless the runner keeps only what
+        fits a memory budget (neuron's ``loaded``)."""
+        return list(getattr(self.runner, "loaded", self.buckets))
 
     def session(self, bucket: Bucket) -> Session:
         """The bucket, loaded on first use."""
-        return self.runner.session(bucket)
+        with reading(self.installed, [bucket.name]):
+            return self.runner.session(bucket)
 
     def tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """The sequence length a bucket must have for this request (the runner decides:
@@ -113,11 +124,13 @@ class BucketedModel:
         self, prompts: Sequence[Sequence[int]], max_new: int, eos: int | None
     ) -> list[list[int]]:
         need = self.tokens_needed(max(len(p) for p in prompts), max_new)
-        return self.session(self.select(len(prompts), need)).generate(prompts, max_new, eos)
+        bucket = self.select(len(prompts), need)
+        session = self.session(bucket)
+        with reading(self.installed, [bucket.name]):  # lazy runners read files on first step
+            return session.generate(prompts, max_new, eos)
 
     def vocab_size(self) -> int:
-        config = json.loads((self.dir / "config.json").read_text())
-        return int(config["vocab_size"])
+        return self._vocab_size
 
 
 def _eos_token_id(release_dir: Path) -> int | None:

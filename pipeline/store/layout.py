@@ -22,6 +22,12 @@ def _check(kind: str, value: str) -> str:
     return value
 
 
+def check_version(version: str) -> str:
+    """``version`` if it is a valid release version (the rule ``release_key`` applies):
+    for checking a ``--version`` before compiling or uploading anything."""
+    return _check("version", version)
+
+
 def blob_key(digest: str) -> str:
     if not _HEX.match(digest):
         raise InputError(f"digest '{digest}'", "not a sha256 hex digest", None)

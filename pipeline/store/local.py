@@ -27,6 +27,17 @@ class LocalStore(Store):
     def __init__(self, root: Path) -> None:
         self.root = Path(root).resolve()
         self.url = str(self.root)
+        # A store that does not exist yet is an empty one (publish creates it); a file at
+        # or above its path can never become one.
+        for p in (self.root, *self.root.parents):
+            if p.exists():
+                if not p.is_dir():
+                    raise InputError(
+                        f"store {root}",
+                        f"{p} is a file, not a directory",
+                        "give a directory, file://PATH or s3://BUCKET/PREFIX to --store",
+                    )
+                break
 
     @classmethod
     def from_url(cls, url: str, **_: object) -> LocalStore:

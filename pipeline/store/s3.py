@@ -15,6 +15,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import re
+import string
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +34,11 @@ from botocore.exceptions import (
     ClientError,
     ConnectionError,
     HTTPClientError,
+    InvalidRegionError,
     NoCredentialsError,
+    ParamValidationError,
     PartialCredentialsError,
+    ProfileNotFound,
 )
 
 from pipeline._files import atomic_writer
@@ -97,8 +102,74 @@ def make_client(
         # were signed with SigV4 already.
         signature_version="s3v4" if service == "s3" else None,
     )
-    with _SESSION_LOCK:  # sessions are not thread-safe (clients are)
-        return _session().client(service, endpoint_url=endpoint_url, config=config)
+    try:
+        with _SESSION_LOCK:  # sessions are not thread-safe (clients are)
+            client = _session().client(service, endpoint_url=endpoint_url, config=config)
+    except InvalidRegionError as e:
+        raise _bad_region(str(e.kwargs.get("region_name"))) from None
+    except ProfileNotFound as e:
+        raise InputError(
+            f"AWS_PROFILE '{e.kwargs.get('profile')}'",
+            "no such profile in the AWS config files",
+            "name a profile of ~/.aws/config, or unset AWS_PROFILE",
+        ) from None
+    except ValueError as e:  # a malformed endpoint URL, rejected before any request
+        source = _endpoint_source(endpoint_url, service)
+        if source is not None and not _valid_endpoint(source[1]):
+            raise _bad_endpoint(*source) from None
+        if source is None and "endpoint" in str(e).lower():
+            raise _bad_endpoint("endpoint_url in the AWS config file", "") from None
+        raise
+    # botocore accepts any scheme and port text here and fails on the first request with a
+    # message that names neither the variable nor the fix.
+    if not _valid_endpoint(client.meta.endpoint_url):
+        source = _endpoint_source(endpoint_url, service)
+        raise _bad_endpoint(*(source or ("endpoint_url in the AWS config file", "")))
+    return client
+
+
+def _valid_endpoint(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
+def _endpoint_source(explicit: str | None, service: str) -> tuple[str, str] | None:
+    """(where, URL) of the endpoint boto3 uses: the caller's, else the service's variable,
+    else AWS_ENDPOINT_URL; None when it can only come from the config file."""
+    if explicit is not None:
+        return "endpoint URL", explicit
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true":
+        return None
+    for name in (f"AWS_ENDPOINT_URL_{service.upper()}", "AWS_ENDPOINT_URL"):
+        if os.environ.get(name):  # boto3 takes an empty variable for an unset one
+            return name, os.environ[name]
+    return None
+
+
+def _bad_endpoint(source: str, url: str) -> InputError:
+    return InputError(
+        f"{source} '{scrub(url)}'" if url else source,
+        "not a valid endpoint URL",
+        "use http(s)://HOST[:PORT], e.g. https://s3.us-east-1.amazonaws.com, or unset it",
+    )
+
+
+def _bad_region(region: str) -> InputError:
+    # botocore 1.44 reads AWS_DEFAULT_REGION, then the profile's region; AWS_REGION (which
+    # other SDKs read) is named only if a later botocore takes it from there.
+    names = ("AWS_DEFAULT_REGION", "AWS_REGION")
+    source = next((n for n in names if os.environ.get(n) == region), None) or (
+        "region in the AWS config file"
+    )
+    return InputError(
+        f"{source} '{region}'",
+        "not a valid AWS region name",
+        "use a region code such as us-east-1, or unset it",
+    )
 
 
 _SESSIONS: dict[tuple, boto3.session.Session] = {}
@@ -160,6 +231,9 @@ def translate_error(e: BaseException, what: str, *, condition: str | None = None
             "no usable AWS credentials",
             "set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use an IRSA role",
         )
+    if isinstance(e, ParamValidationError):  # refused before any request: retrying can't help
+        report = str(e.kwargs.get("report") or e).strip().splitlines()
+        return InputError(what, scrub(report[0] if report else str(e)), "check --store")
     if isinstance(e, ConnectionError | HTTPClientError):
         return StoreError(
             what, f"cannot reach S3: {scrub(str(e))}", "check the network and AWS_ENDPOINT_URL"
@@ -181,8 +255,40 @@ def parse_s3_url(url: str) -> tuple[str, str, dict[str, str]]:
     style = options.get("addressing_style")
     if style is not None and style not in ADDRESSING_STYLES:
         raise InputError(url, f"addressing_style '{style}'", f"use one of {ADDRESSING_STYLES}")
+    why = bucket_name_problem(parts.netloc)
+    if why:
+        raise InputError(
+            f"store {scrub(url)}",
+            f"bucket name '{scrub(parts.netloc)}' {why}",
+            "S3 bucket names are 3 to 63 lowercase letters, digits, '.' and '-', "
+            "starting and ending with a letter or digit",
+        )
     prefix = parts.path.strip("/")
     return parts.netloc, f"{prefix}/" if prefix else "", options
+
+
+_IP_ADDRESS = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
+_BUCKET_CHARS = frozenset(string.ascii_lowercase + string.digits + ".-")
+
+
+def bucket_name_problem(bucket: str) -> str | None:
+    """What breaks S3's bucket naming rules (S3 user guide, "General purpose bucket naming
+    rules"), or None. Checked here because S3 answers such names with NoSuchBucket or a
+    400, and botocore with a regex dump: neither says what is wrong with the name."""
+    bad = sorted({c for c in bucket if c not in _BUCKET_CHARS})
+    if bad:
+        upper = [c for c in bad if c.isascii() and c.isupper()]
+        named = (["uppercase letters"] if upper else []) + [repr(c) for c in bad if c not in upper]
+        return f"contains {', '.join(named)}"
+    if not 3 <= len(bucket) <= 63:
+        return f"is {len(bucket)} characters long"
+    if not (bucket[0].isalnum() and bucket[-1].isalnum()):
+        return "must start and end with a letter or digit"
+    if ".." in bucket:
+        return "has two adjacent periods"
+    if _IP_ADDRESS.match(bucket):
+        return "is formatted as an IP address"
+    return None
 
 
 class S3Store(Store):
