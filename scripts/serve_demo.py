@@ -19,7 +19,7 @@ def wait_url(log: Path, timeout: float = 300) -> str:
     url = ""
     while time.monotonic() < deadline:
         if not url:
-            m = re.search(r"Uvicorn running on (http://[\d.]+:\d+)", log.read_text())
+            m = re.search(r"listening on (http://[\d.]+:\d+)", log.read_text())
             url = m.group(1) if m else ""
         if url:
             try:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-_LISTENING = re.compile(r"Uvicorn running on http://([\d.]+):(\d+)")
+_LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 
 
 class ServerProcess:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 import pytest
 
-from tests.serve_helpers import ServerProcess, get, metric, post
+from tests.serve_helpers import REPO, ServerProcess, get, metric, post
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -178,6 +180,12 @@ def test_too_long_and_unsupported_parameters_are_400(server, client):
         assert next(iter(extra)) in body["error"]["message"]
     status, body, _ = post(server.url + "/v1/completions", {"model": MODEL, "prompt": [1, 9999]})
     assert status == 400 and "vocabulary" in body["error"]["message"]
+    # JSON true is not token 1 nor a max_tokens of 1; "yes" is not a bool.
+    for bad in ({"prompt": [True, 2]}, {"max_tokens": True}, {"stream": "yes"}):
+        status, body, _ = post(
+            server.url + "/v1/completions", {"model": MODEL, "prompt": [1, 2], **bad}
+        )
+        assert status == 400 and next(iter(bad)) in body["error"]["param"], (bad, body)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt=[1, 2], max_tokens=2)
 
@@ -197,8 +205,19 @@ def test_metrics_counters_move(server, client):
     real = delta("inf2_serve_bucket_tokens_total", bucket="b1_s32", kind="real")
     padding = delta("inf2_serve_bucket_tokens_total", bucket="b1_s32", kind="padding")
     assert real >= 4 and real + padding == 32 * delta("inf2_serve_batches_total", bucket="b1_s32")
-    for h in ("time_to_first_token", "request_duration"):
-        assert delta(f"inf2_serve_{h}_seconds_count") == 1
+    # A whole answer arrives at once: no first-token time to observe, only its duration.
+    assert delta("inf2_serve_request_duration_seconds_count") == 1
+    assert delta("inf2_serve_time_to_first_token_seconds_count") == 0
+    streamed = get(server.url + "/metrics")[1]
+    list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5, stream=True))
+    now = get(server.url + "/metrics")[1]
+    ttft = "inf2_serve_time_to_first_token_seconds"
+    assert metric(now, f"{ttft}_count") - metric(streamed, f"{ttft}_count") == 1
+    first = metric(now, f"{ttft}_sum") - metric(streamed, f"{ttft}_sum")
+    whole = metric(now, "inf2_serve_request_duration_seconds_sum") - metric(
+        streamed, "inf2_serve_request_duration_seconds_sum"
+    )
+    assert 0 < first < whole  # the first token came before the last
     assert metric(after, "inf2_serve_queue_depth") == 0
     assert metric(after, "inf2_serve_ready") == 1
 
@@ -333,6 +352,86 @@ def test_serve_refuses_a_missing_release_in_one_line(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+_SERVE_CMD = (sys.executable, "-c", "from pipeline.cli import main; main()", "serve")
+
+
+def test_serve_refuses_a_taken_port_in_one_line(release):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [*_SERVE_CMD, str(release), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+            timeout=120,
+        )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen: in use")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+class _Tokenized:
+    def __init__(self, ids: list[int]) -> None:
+        self.input_ids = ids
+
+
+def _engine_with_tokenizer(ids: list[int], *, vocab: int = 100, max_seq: int = 32):
+    from types import SimpleNamespace
+
+    calls: list[str] = []
+
+    def tokenizer(text: str) -> _Tokenized:
+        calls.append(text)
+        return _Tokenized(ids)
+
+    model = SimpleNamespace(max_seq=max_seq)
+    return SimpleNamespace(tokenizer=tokenizer, vocab=vocab, model=model), calls
+
+
+def test_tokenizer_ids_outside_the_vocabulary_are_a_400_not_a_crash():
+    """A tokenizer with added tokens beyond the model's embedding: its ids must be refused
+    like a client's, or the device would index past the embedding."""
+    import asyncio
+
+    from pipeline.server.app import _token_ids
+    from pipeline.server.protocol import ApiError, parse_request
+
+    engine, _ = _engine_with_tokenizer([5, 100, 7])
+    req = parse_request({"model": MODEL, "prompt": "hello"})
+    with pytest.raises(ApiError, match=r"the tokenizer gave token ids \[100\]") as e:
+        asyncio.run(_token_ids(engine, "hello", req))
+    assert e.value.status == 400
+    engine, _ = _engine_with_tokenizer([5, 99, 7])
+    assert asyncio.run(_token_ids(engine, "hello", req)) == [5, 99, 7]
+
+
+def test_a_prompt_too_long_for_any_bucket_is_refused_before_tokenizing():
+    import asyncio
+
+    from pipeline.server.app import MAX_CHARS_PER_POSITION, _token_ids
+    from pipeline.server.protocol import ApiError, parse_request
+
+    engine, calls = _engine_with_tokenizer([1])
+    text = "x" * (32 * MAX_CHARS_PER_POSITION + 1)
+    req = parse_request({"model": MODEL, "prompt": text})
+    with pytest.raises(ApiError, match="cannot fit the largest bucket") as e:
+        asyncio.run(_token_ids(engine, text, req))
+    assert e.value.code == "context_length_exceeded" and calls == []
+
+
+def test_warm_up_runs_only_the_buckets_a_budgeted_runner_kept_loaded(release):
+    """neuron keeps what fits its HBM budget: warming every bucket would load (and evict)
+    them all before the first request."""
+    from pipeline.runtime import BucketedModel
+
+    model = BucketedModel.load(release)
+    assert model.warm_buckets() == model.buckets  # cpu: every bucket stays loaded
+    model.runner.loaded = model.buckets[:1]
+    assert model.warm_buckets() == model.buckets[:1]
 
 
 def test_batched_rows_equal_single_rows_on_cpu(reference):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -25,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pipeline.errors import PipelineError
+from pipeline.errors import InputError, PipelineError
 from pipeline.server import protocol
 from pipeline.server.metrics import Metrics
 from pipeline.server.protocol import ApiError
@@ -36,6 +38,9 @@ from pipeline.server.tokenizer import TextStream, load_tokenizer
 log = logging.getLogger("inf2_pipeline.serve")
 
 RETRY_AFTER_S = 1  # what a 503 asks clients to wait: a batch on the device takes about that
+# A prompt longer than this many characters per position of the largest bucket cannot fit
+# (natural text averages 3-5 characters a token): refused before the tokenizer spends on it.
+MAX_CHARS_PER_POSITION = 64
 
 
 @dataclass
@@ -84,9 +89,10 @@ class Engine:
             self.vocab = model.vocab_size()
             self.phase = "warming up"
             model.warmup()
-            # One short run per bucket: first calls pay one-time costs (allocation, lazy
-            # init), which belong here and not in the first request's latency.
-            for bucket in model.buckets:
+            # One short run per bucket the runner keeps loaded: first calls pay one-time
+            # costs (allocation, lazy init), which belong here and not in the first request's
+            # latency. Buckets beyond a memory budget (neuron) load on demand instead.
+            for bucket in model.warm_buckets():
                 model.session(bucket).generate([[0]], 2, None)
             self.model = model
             self.scheduler = Scheduler(
@@ -172,7 +178,7 @@ def create_app(engine: Engine) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError):
             engine.metrics.requests.labels("invalid").inc()
             raise ApiError(400, "the request body is not JSON") from None
-        job, req, prompt_len = _admit(engine, body)
+        job, req, prompt_len = await _admit(engine, body)
         rid, created = protocol.new_id(), protocol.now()
         text = TextStream(engine.tokenizer, protocol.stop_list(req))
         engine.metrics.in_flight.inc()
@@ -207,7 +213,7 @@ def create_app(engine: Engine) -> FastAPI:
     return app
 
 
-def _admit(engine: Engine, body: Any) -> tuple[Job, protocol.CompletionRequest, int]:
+async def _admit(engine: Engine, body: Any) -> tuple[Job, protocol.CompletionRequest, int]:
     """Check the request and queue it, or raise the ApiError that answers it."""
     m = engine.metrics
     if not engine.ready or engine.scheduler is None:
@@ -227,7 +233,7 @@ def _admit(engine: Engine, body: Any) -> tuple[Job, protocol.CompletionRequest, 
                 param="model",
                 code="model_not_found",
             )
-        prompt = _token_ids(engine, protocol.one_prompt(req), req)
+        prompt = await _token_ids(engine, protocol.one_prompt(req), req)
     except ApiError:
         m.requests.labels("invalid").inc()
         raise
@@ -263,7 +269,7 @@ def _admit(engine: Engine, body: Any) -> tuple[Job, protocol.CompletionRequest, 
     return job, req, len(prompt)
 
 
-def _token_ids(engine: Engine, prompt: str | list[int], req: Any) -> list[int]:
+async def _token_ids(engine: Engine, prompt: str | list[int], req: Any) -> list[int]:
     if isinstance(prompt, str):
         if engine.tokenizer is None:
             raise ApiError(
@@ -271,17 +277,32 @@ def _token_ids(engine: Engine, prompt: str | list[int], req: Any) -> list[int]:
                 "this release has no tokenizer: send the prompt as a list of token ids",
                 param="prompt",
             )
-        return list(engine.tokenizer(prompt).input_ids)
-    bad = [t for t in prompt if not 0 <= t < engine.vocab]
+        limit = engine.model.max_seq * MAX_CHARS_PER_POSITION
+        if len(prompt) > limit:
+            raise ApiError(
+                400,
+                f"prompt of {len(prompt)} characters cannot fit the largest bucket "
+                f"({engine.model.max_seq} positions): shorten the prompt",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        # Off the event loop: a long prompt must not stall /health and the other requests.
+        ids = list((await asyncio.to_thread(engine.tokenizer, prompt)).input_ids)
+    else:
+        ids = list(prompt)
+    # The tokenizer's ids too: one with added tokens beyond the model's embedding would
+    # otherwise index past it on the device.
+    bad = [t for t in ids if not 0 <= t < engine.vocab]
     if bad:
+        source = "the tokenizer gave" if isinstance(prompt, str) else "the prompt has"
         raise ApiError(
             400,
-            f"token ids {bad[:5]} outside the vocabulary (0..{engine.vocab - 1})",
+            f"{source} token ids {bad[:5]} outside the model's vocabulary (0..{engine.vocab - 1})",
             param="prompt",
         )
     if protocol.stop_list(req) and engine.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; this release has none", param="stop")
-    return list(prompt)
+    return ids
 
 
 async def _tokens(engine: Engine, job: Job, text: TextStream) -> AsyncIterator[tuple[str, Any]]:
@@ -311,7 +332,9 @@ async def _collect(engine: Engine, job: Job, text: TextStream) -> tuple[str, str
     try:
         async for kind, value in _tokens(engine, job, text):
             if kind == "text":
-                if value[1] and first is None:
+                # A whole answer arrives at once: its first token's time is unknown, so
+                # only streamed requests feed the TTFT and TPOT histograms.
+                if value[1] and first is None and job.steps:
                     first = time.monotonic()
                 parts.append(value[0])
                 ids += value[1]
@@ -397,11 +420,39 @@ def _load_model(path: Path) -> Any:
     return BucketedModel.load(path)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a taken port or a wrong host is one line
+    naming the option (uvicorn would log a traceback-like block and exit 1 or 3)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise InputError(
+            f"--host {host}", f"not an address of this machine ({e})", "pass an IP or a name"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        why = "in use by another process" if e.errno == errno.EADDRINUSE else e.strerror
+        raise InputError(
+            f"--host {host} --port {port}", f"cannot listen: {why}", "pick another --port"
+        ) from None
+    return sock
+
+
 def serve(options: ServeOptions) -> None:
     """Run the server until SIGTERM/SIGINT; raises the load error if the release failed."""
     import uvicorn
 
+    sock = _listen(options.host, options.port)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # uvicorn names its address only for sockets it binds itself; --port 0 needs the real one.
+    host, port = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
     engine = Engine(options)
     config = uvicorn.Config(
         create_app(engine),
@@ -427,7 +478,8 @@ def serve(options: ServeOptions) -> None:
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler that was there
     # before it: this one, so that a clean drain exits 0 rather than dying by the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     if isinstance(engine.failure, PipelineError):
         raise engine.failure
     if engine.failure is not None:

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -48,22 +48,24 @@ class CompletionRequest(BaseModel):
     # Unknown parameters are refused: a sampler option silently ignored changes answers.
     model_config = ConfigDict(extra="forbid")
 
+    # Strict ints and bools: JSON true is not 1, and "16" is not a number (lax pydantic
+    # would take both, and a prompt of [true] would run as token 1).
     model: str
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = DEFAULT_MAX_TOKENS
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = DEFAULT_MAX_TOKENS
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: dict[str, Any] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
-    echo: bool | None = None
+    n: StrictInt | None = None
+    best_of: StrictInt | None = None
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None  # greedy decoding has no randomness to seed: accepted, no effect
+    seed: StrictInt | None = None  # greedy decoding has no randomness to seed: accepted, no effect
     suffix: str | None = None
     user: str | None = None
 
