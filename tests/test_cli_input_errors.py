@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.errors import InputError, PipelineError
+from tests.cli_helpers import one_line
 from tests.release_factory import make_release, point_channel
 
 runner = CliRunner()
@@ -19,16 +20,6 @@ runner = CliRunner()
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line(r, code: int, *needles: str) -> str:
-    assert r.exit_code == code, r.output
-    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
-    err = r.stderr.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in r.output, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 @pytest.fixture

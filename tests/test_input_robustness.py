@@ -16,6 +16,7 @@ from pipeline.cli import app
 from pipeline.errors import CheckpointError, ConfigError, InputError
 from pipeline.plan.checkpoint import check_neuron_exportable, read_shape
 from pipeline.plan.config import load_config, load_grid
+from tests.cli_helpers import one_line
 
 REPO = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -23,16 +24,6 @@ runner = CliRunner()
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_exit_2(r, *needles: str) -> str:
-    assert r.exit_code == 2, r.output
-    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
-    err = r.stderr.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in r.output, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 # --- YAML: pipeline/_yaml.py ----------------------------------------------------------------
@@ -91,7 +82,7 @@ def test_hostile_grid_names_the_grid_file(tmp_path):
 def test_hostile_yaml_through_the_cli(tmp_path, text, why):
     path = tmp_path / "release.yaml"
     path.write_text(text)
-    assert_one_line_exit_2(invoke("validate", path), why)
+    one_line(invoke("validate", path), 2, why)
 
 
 def test_shipped_configs_and_grids_still_load():
@@ -184,16 +175,14 @@ def test_heads_zero_in_config_json_is_not_blamed_on_the_heads_flag(ckpt, write_c
         target: {{tp_degree: 2, backend: cpu}}
         buckets: {{batch_sizes: [1], sequence_lengths: [32]}}
     """)
-    err = assert_one_line_exit_2(invoke("plan", cfg), "config.json: num_attention_heads")
+    err = one_line(invoke("plan", cfg), 2, "config.json: num_attention_heads")
     assert "--heads" not in err
-    err = assert_one_line_exit_2(
-        invoke("gqa", "pad", d, "--tp", 4, "--out", d.parent / "out"), "num_attention_heads"
+    err = one_line(
+        invoke("gqa", "pad", d, "--tp", 4, "--out", d.parent / "out"), 2, "num_attention_heads"
     )
     assert "--heads" not in err
     # Given as a flag, the flag is what the message names.
-    assert_one_line_exit_2(
-        invoke("gqa", "plan", "--heads", 0, "--kv-heads", 2, "--tp", 2), "--heads"
-    )
+    one_line(invoke("gqa", "plan", "--heads", 0, "--kv-heads", 2, "--tp", 2), 2, "--heads")
 
 
 @pytest.mark.parametrize("value", ["abc", None, [1], 8.5])
@@ -204,7 +193,7 @@ def test_bad_config_json_through_the_cli(ckpt, write_config, value):
         target: {{tp_degree: 2, backend: cpu}}
         buckets: {{batch_sizes: [1], sequence_lengths: [32]}}
     """)
-    assert_one_line_exit_2(invoke("plan", cfg), "config.json: hidden_size: must be a whole number")
+    one_line(invoke("plan", cfg), 2, "config.json: hidden_size: must be a whole number")
 
 
 def test_config_json_nested_too_deeply(tmp_path):
@@ -227,15 +216,15 @@ def test_config_json_nested_too_deeply(tmp_path):
 )
 @pytest.mark.timeout(30)
 def test_tiny_model_refuses_absurd_sizes_before_allocating(tmp_path, args):
-    err = assert_one_line_exit_2(
-        invoke("tiny-model", tmp_path / "m", *args), "parameters", "at most 100,000,000"
+    err = one_line(
+        invoke("tiny-model", tmp_path / "m", *args), 2, "parameters", "at most 100,000,000"
     )
     assert "GiB" in err
     assert not (tmp_path / "m").exists()
 
 
 def test_tiny_model_refuses_an_out_of_range_seed(tmp_path):
-    assert_one_line_exit_2(invoke("tiny-model", tmp_path / "m", "--seed", 10**24), "--seed")
+    one_line(invoke("tiny-model", tmp_path / "m", "--seed", 10**24), 2, "--seed")
 
 
 def test_tiny_param_count_is_exact_and_the_default_is_far_below_the_cap():

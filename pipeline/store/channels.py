@@ -19,11 +19,10 @@ from pipeline.errors import (
     AlreadyExistsError,
     ConflictError,
     ManifestError,
-    NotFoundError,
 )
 from pipeline.store.base import Store
-from pipeline.store.layout import channel_key, channels_prefix, release_key
-from pipeline.store.manifest import first_problem, json_object, parse_release
+from pipeline.store.layout import channel_key, channels_prefix
+from pipeline.store.manifest import first_problem, json_object
 
 CHANNEL_SCHEMA = 1
 HISTORY = 20  # moves kept in the pointer file
@@ -102,16 +101,9 @@ def whoami() -> str:
 def _check_release(store: Store, model: str, version: str) -> None:
     """The release exists and its manifest reads: a channel must never point at a release
     that no pod could pull."""
-    key = release_key(model, version)
-    try:
-        data = store.get_bytes(key)
-    except NotFoundError:
-        raise NotFoundError(
-            f"release {model} {version}",
-            f"not found in {store.url}",
-            f"publish it first, or see 'inf2-pipeline list {model}'",
-        ) from None
-    parse_release(data, f"release {model} {version} ({store.url}/{key})", model, version)
+    from pipeline.store.releases import read_release  # which imports this module
+
+    read_release(store, model, version)
 
 
 def promote(
