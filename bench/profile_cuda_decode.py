@@ -325,7 +325,6 @@ def project_step(
 
     cfg = llama_config(SHAPES["llama-3.2-1b"])
     model = dec.build(cfg, torch.bfloat16, "cuda", dec.Decode)
-    torch.manual_seed(0)  # the same weights and inputs for every variant
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
@@ -405,12 +404,6 @@ def main() -> None:
         action="store_true",
         help="batch 1 only: whole b1_s256 steps under each of STEP_VARIANTS",
     )
-    ap.add_argument(
-        "--b1-kernels",
-        action="store_true",
-        help="batch 1 only: whole b1_s256 steps with inductor's products and with "
-        "pipeline/compile/gemv.py's, and how far their logits differ",
-    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_cuda_decode: skipped, no CUDA GPU", file=sys.stderr)
@@ -422,29 +415,6 @@ def main() -> None:
         if args.out:
             args.out.write_text(text)
 
-    if args.b1_kernels:
-        from pipeline.compile import decoder as dec
-
-        result["b1_kernels"], outputs = {}, {}
-        for mine in ((), ("qkv", "o"), ("qkv",), ("o",), ("qkv", "o", "down")):
-            dec.B1_KERNELS = frozenset(mine)
-            start = time.monotonic()
-            step, ms = project_step(1, 256, 200)
-            name = "gemv.py: " + ",".join(mine) if mine else "inductor"
-            outputs[name] = [t.float().cpu() for t in step()]
-            table = {"graph_ms": round(ms, 4), **kernel_table(step)}
-            table["compile_and_measure_s"] = round(time.monotonic() - start, 1)
-            result["b1_kernels"][name] = table
-            log(f"project b1_s256 filled 200 {name}: {ms:.4f} ms/step")
-            save()
-        la, ta = outputs.pop("inductor")
-        result["b1_kernels"]["logits_max_abs"] = float(la.abs().max())
-        for name, (lb, tb) in outputs.items():
-            result["b1_kernels"][name]["logits_max_abs_diff"] = float((la - lb).abs().max())
-            result["b1_kernels"][name]["same_next_token"] = bool((ta == tb).all())
-        save()
-        print(json.dumps(result, indent=1))
-        return
     if args.step_variants:
         result["steps_by_options"] = {}
         for variant, options in STEP_VARIANTS.items():

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.compile import gemv
 from pipeline.errors import UnsupportedArchitectureError
 from pipeline.plan.checkpoint import ARCHITECTURES
 
@@ -43,10 +42,6 @@ class Caches(NamedTuple):
 
 # Rope types whose frequencies change with the sequence length at run time.
 DYNAMIC_ROPE = {"dynamic", "longrope"}
-
-# The products that batch-1 decode on cuda runs as Triton kernels of our own (gemv.py),
-# of "qkv", "o", "gate_up", "down"; the others stay inductor's. Read while tracing.
-B1_KERNELS: frozenset[str] = frozenset({"qkv", "o"})
 
 
 class RMSNorm(nn.Module):
@@ -74,13 +69,9 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches) -> Tensor:
         # x: [B, T, hidden]; cos/sin: [B, T, D]; pos: [B, T]
-        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, pos, caches))
-
-    def attend(self, qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches):
-        """The projected [B, T, q+k+v] → the attention output before o_proj, [B, T, q]."""
-        b, t, _ = qkv.shape
+        b, t, _ = x.shape
         k_cache, v_cache, layer, keys = caches
-        q, k, v = qkv.split(self.split, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -88,7 +79,7 @@ class Attention(nn.Module):
         write_cache(k_cache, layer, k, pos)
         write_cache(v_cache, layer, v, pos)
         y = attend(q, k_cache[layer], v_cache[layer], pos, keys, self.window)
-        return y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -111,38 +102,8 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches):
-        if B1_KERNELS and self.self_attn.qkv_proj.bias is None and gemv.available(x):
-            return self.forward_b1(x, cos, sin, pos, caches)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, caches)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def forward_b1(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches):
-        """``forward`` for one token of one sequence on cuda: each product one Triton kernel
-        with the norm before it or the residual add after it (``gemv``)."""
-        attn, mlp, mine = self.self_attn, self.mlp, B1_KERNELS
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        if "qkv" in mine:
-            qkv = gemv.b1_linear(
-                x, attn.qkv_proj.weight, prologue=gemv.RMS, norm_weight=norm1.weight, eps=norm1.eps
-            )
-        else:
-            qkv = attn.qkv_proj(norm1(x))
-        y = attn.attend(qkv, cos, sin, pos, caches)
-        x = gemv.b1_linear(y, attn.o_proj.weight, residual=x) if "o" in mine else x + attn.o_proj(y)
-        if "gate_up" in mine:
-            gate_up = gemv.b1_linear(
-                x,
-                mlp.gate_up_proj.weight,
-                prologue=gemv.RMS,
-                norm_weight=norm2.weight,
-                eps=norm2.eps,
-            )
-        else:
-            gate_up = mlp.gate_up_proj(norm2(x))
-        if "down" in mine:
-            return gemv.b1_linear(gate_up, mlp.down_proj.weight, prologue=gemv.SILU, residual=x)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x + mlp.down_proj(F.silu(gate) * up)
 
 
 class Body(nn.Module):
@@ -354,8 +315,6 @@ def build(cfg: Any, dtype: torch.dtype, device: str | torch.device, graph: type 
     The compiled packages keep weights out (``package_constants_in_so=False``), so export
     and compile only need shapes; the memory is allocated but never touched.
     """
-    if B1_KERNELS and torch.device(device).type == "cuda":
-        gemv.register()
     with torch.device("meta"):
         decoder = graph(cfg).to(dtype)
     decoder = decoder.to_empty(device=device)
