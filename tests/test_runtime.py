@@ -173,6 +173,30 @@ def test_run_of_right_size_wrong_bytes_is_one_line_naming_the_file(installed, tm
     assert damaged.split("/")[-1] in r.stderr and "pull the release again" in r.stderr
 
 
+def test_a_callers_mistake_is_not_taken_for_damage(installed, monkeypatch):
+    """Only a parser's error hashes the release: a wrong keyword (TypeError) or running out
+    of memory is raised as it is, without reading every file first."""
+    from pipeline.install import installed as install
+    from pipeline.runtime import BucketedModel
+
+    _, model_dir = installed
+    hashed = []
+    real = install.verify_files
+
+    def spy(inst, mode="sha256", buckets=None):
+        hashed.append(mode == "sha256")
+        return real(inst, mode, buckets)
+
+    monkeypatch.setattr(install, "verify_files", spy)
+    with pytest.raises(TypeError):
+        BucketedModel.load(model_dir, hbm_budget=1)
+    model = BucketedModel.load(model_dir)
+    monkeypatch.setattr(model.runner, "session", lambda b: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(MemoryError):
+        model.generate([[1, 2, 3]], 2)
+    assert not any(hashed)
+
+
 def test_run_compare_hf(installed, tiny_checkpoint, tmp_path):
     """--compare-hf: the compiled tokens beside Hugging Face's; another checkpoint is refused
     naming --compare-hf (the flag the user typed), before any model is built."""

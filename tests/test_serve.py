@@ -463,3 +463,15 @@ def test_session_on_tokens_streams_each_step_and_can_stop(reference):
         prompts, 10, None, on_tokens=lambda t: calls.append(t) or len(calls) == 3
     )
     assert len(calls) == 3 and short == [r[:3] for r in rows]
+
+
+def test_listen_binds_like_uvicorn_and_names_the_host():
+    """IPv4 unless the host has ':' (so localhost is 127.0.0.1 even where it is also ::1);
+    an address not of this machine names --host, not --port."""
+    from pipeline.errors import InputError
+    from pipeline.server.app import _listen
+
+    with _listen("localhost", 0) as sock:
+        assert sock.getsockname()[0] == "127.0.0.1"
+    with pytest.raises(InputError, match=r"^--host 192\.0\.2\.1: cannot listen there"):
+        _listen("192.0.2.1", 0)  # TEST-NET-1: never this machine's

@@ -62,6 +62,10 @@ class OneLineErrors(TyperGroup):
             _fail("terminated", 143)
         except cx.ClickException as e:
             _fail(e.format_message(), e.exit_code)
+        except MemoryError:
+            if debug:
+                raise
+            _fail("out of memory", 1)
         except OSError as e:
             if debug:
                 raise

@@ -14,6 +14,7 @@ DEST/<model>/current -> <version>             swapped atomically after a complet
 from __future__ import annotations
 
 import contextlib
+import zipfile
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -179,6 +180,20 @@ def reading(installed: InstalledRelease, buckets: Collection[str] | None = None)
         yield
     except PipelineError:
         raise
-    except Exception:
+    except _parse_errors() as e:
+        if type(e).__name__ == "OutOfMemoryError":  # torch's is a RuntimeError
+            raise
         verify_files(installed, "sha256", buckets)
         raise
+
+
+def _parse_errors() -> tuple[type[Exception], ...]:
+    """What parsers of the release's files raise on bad bytes: JSON and text decoding
+    (ValueError), zip and torch's package readers (BadZipFile, RuntimeError, EOFError),
+    safetensors. Not TypeError (a caller's mistake) nor MemoryError."""
+    kinds: list[type[Exception]] = [ValueError, RuntimeError, EOFError, zipfile.BadZipFile]
+    with contextlib.suppress(ImportError):
+        from safetensors import SafetensorError
+
+        kinds.append(SafetensorError)
+    return tuple(kinds)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,16 +257,23 @@ def read_shape(checkpoint: Path) -> ModelShape:
 @contextlib.contextmanager
 def reading_weights(path: Path) -> Iterator[None]:
     """A weights file parsed inside this: a damaged one (bad header, truncated, not a
-    pickle) is one ``CheckpointError`` line naming it, not the parser's traceback."""
+    pickle) is one ``CheckpointError`` line naming it (exit 2), not the parser's traceback.
+    Running out of memory or an I/O error while reading is the machine's failure (exit 1),
+    not the file's."""
     try:
         yield
-    except PipelineError:
+    except (PipelineError, MemoryError, OSError):
         raise
     except Exception as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if _RESOURCE_ERROR.search(why):  # safetensors reports mmap/read failures as its own
+            raise PipelineError(str(path), f"cannot be read here ({why})", None) from None
         raise CheckpointError(
             str(path), f"not a readable weights file ({why})", "copy or save the checkpoint again"
         ) from None
+
+
+_RESOURCE_ERROR = re.compile(r"os error \d+|allocate memory|out of memory", re.IGNORECASE)
 
 
 def _load(path: Path, load: Any) -> dict[str, Any]:

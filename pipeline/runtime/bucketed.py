@@ -124,10 +124,7 @@ class BucketedModel:
         self, prompts: Sequence[Sequence[int]], max_new: int, eos: int | None
     ) -> list[list[int]]:
         need = self.tokens_needed(max(len(p) for p in prompts), max_new)
-        bucket = self.select(len(prompts), need)
-        session = self.session(bucket)
-        with reading(self.installed, [bucket.name]):  # lazy runners read files on first step
-            return session.generate(prompts, max_new, eos)
+        return self.session(self.select(len(prompts), need)).generate(prompts, max_new, eos)
 
     def vocab_size(self) -> int:
         return self._vocab_size

@@ -422,24 +422,27 @@ def _load_model(path: Path) -> Any:
 
 def _listen(host: str, port: int) -> socket.socket:
     """The listening socket, bound here so that a taken port or a wrong host is one line
-    naming the option (uvicorn would log a traceback-like block and exit 1 or 3)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except (socket.gaierror, UnicodeError) as e:
-        raise InputError(
-            f"--host {host}", f"not an address of this machine ({e})", "pass an IP or a name"
-        ) from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
+    naming the option (uvicorn would log a traceback-like block and exit 1 or 3). IPv6 only
+    for a host with ':', as uvicorn does: `localhost` is 127.0.0.1 even where it is also ::1."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(address)
+        sock.bind((host, port))
         sock.listen(2048)
-    except OSError as e:
+    except (OSError, UnicodeError, OverflowError) as e:
         sock.close()
-        why = "in use by another process" if e.errno == errno.EADDRINUSE else e.strerror
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+            raise InputError(
+                f"--host {host} --port {port}",
+                "cannot listen: in use by another process",
+                "pick another --port",
+            ) from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise InputError(
-            f"--host {host} --port {port}", f"cannot listen: {why}", "pick another --port"
+            f"--host {host}",
+            f"cannot listen there ({why})",
+            "pass an address of this machine, e.g. 127.0.0.1 or 0.0.0.0",
         ) from None
     return sock
 

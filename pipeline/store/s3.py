@@ -15,8 +15,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
-import re
-import string
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -115,11 +113,11 @@ def make_client(
         ) from None
     except ValueError as e:  # a malformed endpoint URL, rejected before any request
         source = _endpoint_source(endpoint_url, service)
-        if source is not None and not _valid_endpoint(source[1]):
-            raise _bad_endpoint(*source) from None
         if source is None and "endpoint" in str(e).lower():
-            raise _bad_endpoint("endpoint_url in the AWS config file", "") from None
-        raise
+            source = ("endpoint_url in the AWS config file", "")
+        if source is None:
+            raise
+        raise _bad_endpoint(*source) from None
     # botocore accepts any scheme and port text here and fails on the first request with a
     # message that names neither the variable nor the fix.
     if not _valid_endpoint(client.meta.endpoint_url):
@@ -154,7 +152,8 @@ def _bad_endpoint(source: str, url: str) -> InputError:
     return InputError(
         f"{source} '{scrub(url)}'" if url else source,
         "not a valid endpoint URL",
-        "use http(s)://HOST[:PORT], e.g. https://s3.us-east-1.amazonaws.com, or unset it",
+        "use http(s)://HOST[:PORT], a host name without '_', e.g. "
+        "https://s3.us-east-1.amazonaws.com, or unset it",
     )
 
 
@@ -260,34 +259,25 @@ def parse_s3_url(url: str) -> tuple[str, str, dict[str, str]]:
         raise InputError(
             f"store {scrub(url)}",
             f"bucket name '{scrub(parts.netloc)}' {why}",
-            "S3 bucket names are 3 to 63 lowercase letters, digits, '.' and '-', "
-            "starting and ending with a letter or digit",
+            "a bucket name is 1 to 255 letters, digits, '.', '-' and '_' "
+            "(for a new AWS bucket: 3 to 63 lowercase)",
         )
     prefix = parts.path.strip("/")
     return parts.netloc, f"{prefix}/" if prefix else "", options
 
 
-_IP_ADDRESS = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
-_BUCKET_CHARS = frozenset(string.ascii_lowercase + string.digits + ".-")
-
-
 def bucket_name_problem(bucket: str) -> str | None:
-    """What breaks S3's bucket naming rules (S3 user guide, "General purpose bucket naming
-    rules"), or None. Checked here because S3 answers such names with NoSuchBucket or a
-    400, and botocore with a regex dump: neither says what is wrong with the name."""
-    bad = sorted({c for c in bucket if c not in _BUCKET_CHARS})
+    """Why botocore would refuse ``bucket`` (botocore/handlers.py, ``VALID_BUCKET``: 1 to 255
+    of letters, digits, '.', '-', '_'), or None. Only that: legacy us-east-1 names and
+    S3-compatible stores allow more than AWS's rules for new buckets, and access point ARNs
+    are botocore's to check. Said here in one line, where botocore dumps its regex."""
+    if bucket.startswith("arn:"):
+        return None
+    bad = sorted({c for c in bucket if not (c.isascii() and (c.isalnum() or c in "._-"))})
     if bad:
-        upper = [c for c in bad if c.isascii() and c.isupper()]
-        named = (["uppercase letters"] if upper else []) + [repr(c) for c in bad if c not in upper]
-        return f"contains {', '.join(named)}"
-    if not 3 <= len(bucket) <= 63:
+        return f"contains {', '.join(repr(c) for c in bad)}"
+    if not 1 <= len(bucket) <= 255:
         return f"is {len(bucket)} characters long"
-    if not (bucket[0].isalnum() and bucket[-1].isalnum()):
-        return "must start and end with a letter or digit"
-    if ".." in bucket:
-        return "has two adjacent periods"
-    if _IP_ADDRESS.match(bucket):
-        return "is formatted as an IP address"
     return None
 
 
