@@ -24,18 +24,16 @@ neuron-venv: $(NEURON_STAMP)
 $(NEURON_STAMP): Makefile
 	rm -rf $(NEURON_VENV)
 	$(PYTHON) -m venv $(NEURON_VENV)
-	$(NEURON_VENV)/bin/python -m pip install -q --no-compile torch==2.13.0
-	$(NEURON_VENV)/bin/python -m pip install -q --no-compile '$(OPTIMUM_NEURON)'
+	$(NEURON_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(NEURON_VENV)/bin/python -m pip install -q '$(OPTIMUM_NEURON)'
 	touch $@
 
 # torch is pinned first so that pip takes the local CPU build instead of a multi-GB CUDA one.
-# --no-compile: Python writes bytecode for the modules it imports, on first import; compiling
-# all of torch's at install took 43 of an install's 57 s on a 2-core machine.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile torch==2.13.0
-	$(BIN)/python -m pip install -q --no-compile -e '.[torch,serve,plot,dev]'
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[torch,serve,plot,dev]'
 	touch $@
 
 # tiny model → validate → plan → release (compile on cpu + publish to artifacts/) → promote
@@ -44,7 +42,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	CLI=$(CLI) PY=$(BIN)/python scripts/demo.sh
 
-test: $(STAMP) $(NEURON_STAMP)
+# The two environments build side by side: pip compiles each package's bytecode on one core
+# (43 of torch's 57 s of install on a 2-core machine), and the tests need that bytecode where
+# PYTHONDONTWRITEBYTECODE is set.
+test:
+	$(MAKE) -j2 venv neuron-venv
 	INF2_NEURON_VENV=$(abspath $(NEURON_VENV)) $(BIN)/python -m pytest -q
 
 # CPU benchmarks; the GPU ones (bench_cuda_*.py) need an NVIDIA GPU: see bench/RESULTS.md.
