@@ -54,6 +54,8 @@ sys.path.insert(0, str(REPO / "bench"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from pipeline.compile.backends import pdl, tuning  # noqa: E402
+
 H, KV, D = 32, 8, 64
 LAYERS = 16
 
@@ -148,6 +150,80 @@ def attention_table(shapes, reps: int) -> list[dict[str, Any]]:
             )
             log(f"attention b{b} s{s} filled {filled} {fn.__name__}: {ms:.4f} ms / 16 layers")
     return rows
+
+
+def kernel_attention_table(reps: int) -> list[dict[str, Any]]:
+    """Decode attention as the decoder calls it (position-major caches, the attended prefix):
+    SDPA (``decoder.attend``) against ``decode_attention``'s kernel, 16 layers per graph."""
+    from pipeline.compile import decode_attention
+    from pipeline.compile import decoder as dec
+    from pipeline.runtime.graph_abi import key_tiers
+
+    decode_attention.register()
+    rows = []
+    for b, s, filled in [(1, 256, 200), (1, 2048, 200), (1, 2048, 2000), (8, 256, 200),
+                         (32, 256, 200), (32, 2048, 2000)]:  # fmt: skip
+        n = next(t for t in key_tiers(s) if t >= filled)
+        caches = [
+            [torch.randn(s, b, KV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv"]
+            for _ in range(LAYERS)
+        ]
+        q = torch.randn(b, H, 1, D, device="cuda", dtype=torch.bfloat16)
+        pos = torch.randint(filled // 2, filled, (b, 1), device="cuda")
+        keys = torch.arange(n, device="cuda")
+
+        def sdpa(q=q, pos=pos, caches=caches, keys=keys, b=b):
+            return [
+                dec.attend(q, k, v, pos, keys, None).transpose(1, 2).reshape(b, 1, H * D)
+                for k, v in caches
+            ]
+
+        def kernel(q=q, pos=pos, caches=caches, n=n):
+            return [decode_attention.attend(q, k, v, pos, n, None) for k, v in caches]
+
+        ref = sdpa()[0].float()
+        err = (kernel()[0].float() - ref).abs().max().item()
+        row = {"batch": b, "seq": s, "filled": filled, "tier": n, "max_abs_diff": err}
+        for name, fn in (("sdpa_ms_16_layers", sdpa), ("kernel_ms_16_layers", kernel)):
+            row[name] = round(graph_ms(fn, reps), 4)
+        rows.append(row)
+        log(f"attention {row}")
+    return rows
+
+
+def steps_attention_pdl(save, result) -> dict[str, Any]:
+    """Whole b1_s256 steps: SDPA, the attention kernel, the kernel with PDL launches; and how
+    far each one's logits are from the first's."""
+    from pipeline.compile import decoder as dec
+    from pipeline.compile.backends.aoti import CUDA_OPTIONS
+
+    out: dict[str, Any] = {}
+    first = None
+    pdl_on = {pdl.OPTION: True}
+    for name, kernel, extra, clean in (
+        ("kernel+pdl, inductor's timings", True, pdl_on, False),
+        ("kernel+pdl, clean timings", True, pdl_on, True),
+        ("kernel+pdl, clean timings again", True, pdl_on, True),
+        ("sdpa, clean timings", False, {}, True),
+    ):
+        dec.DECODE_ATTENTION_KERNEL = kernel
+        start = time.monotonic()
+        step, ms = project_step(1, 256, 200, {**CUDA_OPTIONS, **extra}, clean_timings=clean)
+        logits, token = (t.float().cpu() for t in step())
+        table = {"graph_ms": round(ms, 4), **kernel_table(step)}
+        if first is None:
+            first = (logits, token)
+            table["logits_max_abs"] = float(logits.abs().max())
+        else:
+            table["logits_max_abs_diff"] = float((logits - first[0]).abs().max())
+            table["same_next_token"] = bool((token == first[1]).all())
+        table["compile_and_measure_s"] = round(time.monotonic() - start, 1)
+        out[name] = table
+        result["steps_attention_pdl"] = out
+        save()
+        log(f"project b1_s256 filled 200 {name}: {ms:.4f} ms/step")
+    dec.DECODE_ATTENTION_KERNEL = True
+    return out
 
 
 def graph_ms(fn, reps: int) -> float:
@@ -312,7 +388,12 @@ def kernel_table(step, steps: int = 5) -> dict[str, Any]:
 
 
 def project_step(
-    batch: int, seq: int, filled: int, options: dict[str, Any] | None = None
+    batch: int,
+    seq: int,
+    filled: int,
+    options: dict[str, Any] | None = None,
+    seed: int = 0,
+    clean_timings: bool = True,
 ) -> tuple[Any, float]:
     """(one eager step, ms per step replayed as a CUDA graph) of the project's decoder,
     attending the tier that holds ``filled`` positions, as the runtime does; ``options``:
@@ -325,23 +406,26 @@ def project_step(
 
     cfg = llama_config(SHAPES["llama-3.2-1b"])
     model = dec.build(cfg, torch.bfloat16, "cuda", dec.Decode)
+    torch.manual_seed(seed)  # the same weights, caches and inputs for every variant
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    cache = [torch.zeros(16, seq, batch, KV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv"]
+    cache = [torch.randn(16, seq, batch, KV, D, device="cuda", dtype=torch.bfloat16) for _ in "kv"]
     keys = torch.arange(next(n for n in key_tiers(seq) if n >= filled), device="cuda")
     tokens = torch.randint(3, 128256, (batch, 1), device="cuda")
     pos = torch.full((batch,), filled - 1, device="cuda", dtype=torch.long)
     torch._dynamo.reset()
-    f = torch.compile(
-        model, fullgraph=True, dynamic=False, options=CUDA_OPTIONS if options is None else options
-    )
+    options = CUDA_OPTIONS if options is None else options
+    f = torch.compile(model, fullgraph=True, dynamic=False, options=options)
 
     def step():
         with torch.no_grad():
             return f(tokens, pos, *cache, keys)
 
-    step()
+    timings = tuning.clean_timings("cuda" if clean_timings else "default")
+    uncached = torch._inductor.config.patch({"autotune_local_cache": False})
+    with pdl.launches(options), timings, uncached:  # compiles here, at the first call
+        step()
     return step, graph_ms(step, 50)
 
 
@@ -404,6 +488,12 @@ def main() -> None:
         action="store_true",
         help="batch 1 only: whole b1_s256 steps under each of STEP_VARIANTS",
     )
+    ap.add_argument(
+        "--attention-kernel",
+        action="store_true",
+        help="decode attention alone (SDPA against decode_attention's kernel), then whole "
+        "b1_s256 steps with SDPA, with the kernel, and with the kernel and PDL launches",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("profile_cuda_decode: skipped, no CUDA GPU", file=sys.stderr)
@@ -415,6 +505,12 @@ def main() -> None:
         if args.out:
             args.out.write_text(text)
 
+    if args.attention_kernel:
+        result["attention_kernel"] = kernel_attention_table(reps=200)
+        save()
+        result["steps_attention_pdl"] = steps_attention_pdl(save, result)
+        print(json.dumps(result, indent=1))
+        return
     if args.step_variants:
         result["steps_by_options"] = {}
         for variant, options in STEP_VARIANTS.items():

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.compile import decode_attention
 from pipeline.errors import UnsupportedArchitectureError
 from pipeline.plan.checkpoint import ARCHITECTURES
 
@@ -42,6 +43,10 @@ class Caches(NamedTuple):
 
 # Rope types whose frequencies change with the sequence length at run time.
 DYNAMIC_ROPE = {"dynamic", "longrope"}
+
+# Decode on cuda in half precision attends with decode_attention's Triton kernel instead
+# of SDPA (read while tracing; bench/profile_cuda_decode.py compares both).
+DECODE_ATTENTION_KERNEL = True
 
 
 class RMSNorm(nn.Module):
@@ -78,8 +83,13 @@ class Attention(nn.Module):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         write_cache(k_cache, layer, k, pos)
         write_cache(v_cache, layer, v, pos)
-        y = attend(q, k_cache[layer], v_cache[layer], pos, keys, self.window)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+        if DECODE_ATTENTION_KERNEL and decode_attention.usable(q):
+            n = keys.shape[0]
+            y = decode_attention.attend(q, k_cache[layer], v_cache[layer], pos, n, self.window)
+        else:
+            y = attend(q, k_cache[layer], v_cache[layer], pos, keys, self.window)
+            y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self.o_proj(y)
 
 
 class MLP(nn.Module):
@@ -315,6 +325,8 @@ def build(cfg: Any, dtype: torch.dtype, device: str | torch.device, graph: type 
     The compiled packages keep weights out (``package_constants_in_so=False``), so export
     and compile only need shapes; the memory is allocated but never touched.
     """
+    if DECODE_ATTENTION_KERNEL and torch.device(device).type == "cuda":
+        decode_attention.register()
     with torch.device("meta"):
         decoder = graph(cfg).to(dtype)
     decoder = decoder.to_empty(device=device)
