@@ -100,14 +100,6 @@ def tiny_param_count(
     ).param_count()
 
 
-def _dtype_kwarg(version: str) -> str:
-    """transformers 4.56 renamed ``torch_dtype`` to ``dtype`` (configs and from_config) and
-    warns on stderr for the old name; pyproject still allows 4.48, which knows only the old."""
-    from packaging.version import Version
-
-    return "dtype" if Version(version) >= Version("4.56") else "torch_dtype"
-
-
 def write_tiny_model(
     out: Path,
     *,
@@ -193,12 +185,10 @@ def write_tiny_model(
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
-        **{_dtype_kwarg(transformers.__version__): "float32"},
+        dtype="float32",
     )
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, **{_dtype_kwarg(transformers.__version__): torch.float32}
-    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.do_sample = False
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".incomplete", dir=out.parent))

@@ -240,13 +240,6 @@ def test_tiny_param_count_is_exact_and_the_default_is_far_below_the_cap():
         write_tiny_model(Path("/nonexistent/never-written"), hidden=64, intermediate=10**9)
 
 
-def test_dtype_keyword_follows_the_transformers_version():
-    from pipeline.tiny_model import _dtype_kwarg
-
-    assert _dtype_kwarg("4.48.0") == _dtype_kwarg("4.55.4") == "torch_dtype"
-    assert _dtype_kwarg("4.56.0") == _dtype_kwarg("5.24.0") == "dtype"
-
-
 def test_tiny_model_prints_no_deprecation_warning(tmp_path):
     # A fresh process: transformers warns once per process, so an earlier test could hide it.
     out = tmp_path / "m"
