@@ -139,7 +139,7 @@ def path_error(
     name = e.filename
     if not isinstance(name, str | os.PathLike):
         return PipelineError("I/O", why, None)
-    failed = _user_visible(Path(name))
+    failed = user_visible(Path(name))
     label = option or "path"
     if given is not None and _within(Path(name), Path(given)):
         what = f"{option} {given}" if option else str(given)
@@ -151,7 +151,7 @@ def path_error(
             what, why, f"free some space, or choose another {label}" if full else None
         )
     raw = Path(name)
-    blocker = _user_visible(_nearest_existing(raw))
+    blocker = user_visible(_nearest_existing(raw))
     creating = not os.path.lexists(raw)
     if not creating and raw.is_file() and not os.access(raw.parent, os.W_OK):
         creating, blocker = True, raw.parent  # replacing a file needs its directory writable
@@ -176,7 +176,7 @@ def path_error(
     return InputError(what, why, hint)
 
 
-def _user_visible(path: Path) -> Path:
+def user_visible(path: Path) -> Path:
     """``path`` up to (not including) its first component that is a temporary name of ours."""
     parts = path.parts
     for i, part in enumerate(parts):

@@ -56,6 +56,24 @@ def test_pull_installs_atomically_and_points_current(store, tmp_path):
     assert again.already_installed and again.downloaded_bytes == 0
 
 
+def test_a_failed_write_names_the_model_directory_not_our_temporary_file(tmp_path, monkeypatch):
+    import errno
+
+    from pipeline.errors import PipelineError
+
+    store = open_store(str(tmp_path / "store"))
+    make_release(store, tmp_path)
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(PipelineError) as e:
+        pull_release(store, "m", tmp_path / "dest", version="v1")
+    assert e.value.what == str(tmp_path / "dest" / "m")
+    assert e.value.why == "cannot write: No space left on device"
+
+
 def test_pull_by_channel_and_upgrade_swaps_current(store, tmp_path):
     make_release(store, tmp_path, version="v1")
     make_release(store, tmp_path, version="v2")

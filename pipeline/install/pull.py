@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pipeline._files import FILE_MODE, sha256_file
+from pipeline._files import FILE_MODE, sha256_file, user_visible
 from pipeline._progress import ByteProgress, byte_progress
 from pipeline.errors import IntegrityError, PipelineError, StoreError
 from pipeline.install.installed import CURRENT, MANIFEST, TEMPORARY_SUFFIX, release_files
@@ -612,12 +612,15 @@ def _read(store: Store, key: str, start: int, buf: memoryview) -> int:
 
 @contextmanager
 def _local_write(path: Path) -> Iterator[None]:
-    """A failed local write (no space left, read-only volume) is one line and exit 1."""
+    """A failed local write (no space left, read-only volume) is one line and exit 1, about
+    the model's directory: the file being written is a temporary one of ours."""
     try:
         yield
     except OSError as e:
         raise PipelineError(
-            str(path), f"cannot write: {e.strerror or e}", "check free space and permissions"
+            str(user_visible(path)),
+            f"cannot write: {e.strerror or e}",
+            "check free space and permissions",
         ) from None
 
 
