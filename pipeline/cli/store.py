@@ -62,6 +62,7 @@ def publish(
     """Publish compiled buckets as an immutable release: missing blobs, then the manifest."""
     from pipeline.compile.release import publish_release
     from pipeline.plan.config import load_config
+
     release = load_config(config)
     dest = _open(store) if store else None
     with _progress("uploading", quiet=json) as advance:
