@@ -81,6 +81,7 @@ def _register() -> None:
         window,
         sq_b,
         sq_h,
+        sp_b,
         sk_s,
         sk_b,
         sk_h,
@@ -108,7 +109,7 @@ def _register() -> None:
             mask=g_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        p = tl.load(pos_ptr + b)
+        p = tl.load(pos_ptr + b * sp_b).to(tl.int64)
         hi = tl.minimum(n_keys, p + 1)  # positions after this token's are not visible
         lo = p * 0  # as p's type (int64), which the branch keeps
         if window > 0:
@@ -132,7 +133,9 @@ def _register() -> None:
             values = tl.load(v_base + s[:, None] * sv_s + d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values)
             m = m_new
-        out = acc / total[:, None]
+        # No visible position (only where a caller breaks the contract): 0, as SDPA gives,
+        # not the NaN that would poison the row's cache.
+        out = tl.where(total[:, None] > 0, acc / total[:, None], 0.0)
         tl.store(
             o_ptr + b * (KV * GROUP * D) + heads[:, None] * D + d[None, :],
             out.to(o_ptr.dtype.element_ty),
@@ -143,11 +146,17 @@ def _register() -> None:
     def op(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, n: int, window: int) -> Tensor:
         b, h, _, d = q.shape
         kv = k.shape[2]
+        if h % kv or k.stride(3) != 1 or v.stride(3) != 1:
+            raise ValueError(
+                f"decode_attention: {h} query heads over {kv} KV heads, or a cache "
+                "whose head dimension is not contiguous"
+            )
+        q = q if q.stride(3) == 1 else q.contiguous()
         out = torch.empty((b, h, d), device=q.device, dtype=q.dtype)
         group = h // kv
         wrap_triton(kernel)[(b * kv,)](
             q, k, v, pos, out, n, window,
-            q.stride(0), q.stride(1),
+            q.stride(0), q.stride(1), pos.stride(0),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             KV=kv, GROUP=group, D=d, SCALE=1.0 / math.sqrt(d),

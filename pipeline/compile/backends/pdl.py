@@ -23,11 +23,16 @@ calls plain ``cuLaunchKernel``. While a package is compiled, ``launches()`` belo
 
 A CUDA graph captured around such a package records programmatic edges (CUDA 12.3+), so
 the runtime's CUDA graphs keep the gain.
+
+Limits: the patches are process-wide while they last (compile workers are processes of their
+own, one compile each); a kernel's RNG seed is read without a wait (inductor's ``load_seed``),
+which decode and prefill graphs, having no randomness, never do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,6 +102,11 @@ def _patches(launched: list[str]) -> list[tuple[Any, str, Any]]:
     ):
         if not callable(getattr(target, name, None)):
             raise RuntimeError(f"{OPTION}: this torch has no {target.__name__}.{name}; {OFF}")
+    # wait_first relies on inductor waiting unconditionally where there is no previous node
+    # (torch 2.11-2.13, codegen/triton.py); a torch that decides otherwise must not get PDL
+    # launches, or a kernel could read what the kernel two before it has not yet written.
+    if "prev_node is None" not in inspect.getsource(TritonKernel._handle_pdl_before_access):
+        raise RuntimeError(f"{OPTION}: this torch's inductor decides its waits otherwise; {OFF}")
 
     def driver(original):
         def kernel_driver(self) -> str:

@@ -19,6 +19,7 @@ clean lines of something else. The kernel's time is the least of ``REPS`` such s
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,7 +44,10 @@ def clean_timings(device: str) -> Iterator[None]:
         return
     had = "benchmark_gpu" in vars(bench)
     saved = vars(bench).get("benchmark_gpu")
-    bench.benchmark_gpu = _benchmark_gpu
+    timed = functools.partial(_benchmark_gpu, buffers={})  # one flush buffer per compile
+    # inductor's own holds a lock so that no two timings share the GPU (torch 2.13)
+    lock = getattr(benchmarking, "gpu_benchmark_lock", None)
+    bench.benchmark_gpu = lock(timed) if lock else timed
     try:
         with inductor_config.patch({"autotune_local_cache": False, "fx_graph_cache": False}):
             yield
@@ -54,12 +58,16 @@ def clean_timings(device: str) -> Iterator[None]:
             del bench.benchmark_gpu
 
 
-def _benchmark_gpu(_callable: Callable[[], Any], **kwargs: Any) -> float | list[float]:
+def _benchmark_gpu(
+    _callable: Callable[[], Any], *, buffers: dict[str, Any], **kwargs: Any
+) -> float | list[float]:
     import torch
 
     torch.cuda.synchronize()
     _callable()  # compiles and warms up (and raises for a launch that cannot run)
-    flush = torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    flush = buffers.get("flush")
+    if flush is None:
+        flush = buffers["flush"] = torch.ones(FLUSH_BYTES // 4, device="cuda")
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(REPS)
