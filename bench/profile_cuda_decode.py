@@ -32,6 +32,11 @@ whole step of the project's decoder (and of the gpt-fast peer, when present), on
    (inductor options that change how the fused reductions of a step are generated, where
    the products ran slower inside the step than alone on 2026-12-01), with their kernels.
 
+6. ``--attention-kernel`` instead: decode attention alone (SDPA as the decoder calls it
+   against ``pipeline/compile/decode_attention.py``), then whole b1_s256 steps with that
+   kernel and PDL launches (``backends/pdl.py``), tuned on inductor's timings and on clean
+   ones (``backends/tuning.py``), and SDPA without PDL on clean ones.
+
 Exploration, not the product's benchmark: figures go to bench/RESULTS.md beside the numbers
 of bench_cuda_decode.py.
 """
@@ -192,8 +197,9 @@ def kernel_attention_table(reps: int) -> list[dict[str, Any]]:
 
 
 def steps_attention_pdl(save, result) -> dict[str, Any]:
-    """Whole b1_s256 steps: SDPA, the attention kernel, the kernel with PDL launches; and how
-    far each one's logits are from the first's."""
+    """Whole b1_s256 steps under the variants below (the first round, on 2026-12-01, also
+    ran SDPA and the kernel without PDL on inductor's timings); and how far each one's
+    logits are from the first's."""
     from pipeline.compile import decoder as dec
     from pipeline.compile.backends.aoti import CUDA_OPTIONS
 
@@ -492,7 +498,8 @@ def main() -> None:
         "--attention-kernel",
         action="store_true",
         help="decode attention alone (SDPA against decode_attention's kernel), then whole "
-        "b1_s256 steps with SDPA, with the kernel, and with the kernel and PDL launches",
+        "b1_s256 steps: the kernel with PDL tuned on inductor's timings and twice on clean "
+        "ones (tuning.py), and SDPA without PDL on clean ones",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
