@@ -31,19 +31,19 @@ FILE_MODE = 0o666 & ~_umask()
 def atomic_writer(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
     """Open a temporary file beside ``path``; rename it over ``path`` only on success."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _mkstemp(path)
+    fd, tmp = _mkstemp(path)
     try:
-        with os.fdopen(tmp[0], mode) as f:
+        with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp[1], FILE_MODE)
-        os.replace(tmp[1], path)
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
     except OSError as e:
-        raise _naming(e, path, tmp[1]) from e
+        raise _naming(e, path, tmp) from e
     finally:
-        if os.path.exists(tmp[1]):
-            os.unlink(tmp[1])
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def atomic_create(path: Path, data: bytes) -> None:
@@ -141,7 +141,7 @@ def path_error(
         return PipelineError("I/O", why, None)
     failed = user_visible(Path(name))
     label = option or "path"
-    if given is not None and _within(Path(name), Path(given)):
+    if given is not None and within(Path(name), Path(given)):
         what = f"{option} {given}" if option else str(given)
     else:
         what = str(failed)
@@ -192,5 +192,6 @@ def _nearest_existing(path: Path) -> Path:
     return Path(".")
 
 
-def _within(path: Path, root: Path) -> bool:
+def within(path: Path, root: Path) -> bool:
+    """Whether ``path`` is ``root`` or under it (both made absolute, not resolved)."""
     return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(root))

@@ -7,13 +7,12 @@ channel, malformed manifest: restarting will not help).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
 
-from pipeline._files import path_error
+from pipeline._files import path_error, within
 from pipeline.cli._common import JsonOpt, StoreOpt, human_bytes, print_json
 from pipeline.errors import InputError, PipelineError
 
@@ -79,9 +78,9 @@ def pull(
         # Name --dest, not the staging directory or temporary file under it where it failed.
         raise path_error(e, dest, "--dest") from e
     except PipelineError as e:
-        # A failed write while landing bytes (a full disk) names its temporary file: exit 1
-        # as it is, about --dest.
-        if type(e) is PipelineError and _under(e.what, dest):
+        # A failed write while landing bytes (a full disk) names the model's directory under
+        # --dest: exit 1 as it is, about --dest as the user typed it.
+        if type(e) is PipelineError and "://" not in e.what and within(Path(e.what), dest):
             raise PipelineError(f"--dest {dest}", e.why, e.hint) from e
         raise
     if json:
@@ -96,13 +95,6 @@ def pull(
             f"{human_bytes(result.reused_bytes)} reused; re-fetched "
             f"{result.refetched_parts} parts, {result.refetched_files} files"
         )
-
-
-def _under(text: str, root: Path) -> bool:
-    """Whether an error's ``what`` is a local path at or under ``root``."""
-    if "://" in text:
-        return False
-    return Path(os.path.abspath(text)).is_relative_to(os.path.abspath(root))
 
 
 SIZE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}

@@ -276,22 +276,23 @@ def reading_weights(path: Path) -> Iterator[None]:
 _RESOURCE_ERROR = re.compile(r"os error \d+|allocate memory|out of memory", re.IGNORECASE)
 
 
-def _load(path: Path, load: Any) -> dict[str, Any]:
-    with reading_weights(path):
-        return dict(load(path))
-
-
 def read_checkpoint(model_dir: Path) -> dict[str, Any]:
     """Every tensor of a Hugging Face checkpoint (safetensors, else PyTorch .bin files).
     Imports torch lazily: the planner itself never needs it."""
     import torch
     from safetensors.torch import load_file
 
+    state: dict[str, Any] = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
+    for f in files:
+        with reading_weights(f):
+            state.update(load_file(str(f)))
     if files:
-        return {k: v for f in files for k, v in _load(f, lambda p: load_file(str(p))).items()}
+        return state
     files = sorted(Path(model_dir).glob("*.bin"))
     if not files:
         raise CheckpointError(str(model_dir), "no *.safetensors or *.bin weights", None)
-    load_bin = lambda p: torch.load(p, weights_only=True)  # noqa: E731
-    return {k: v for f in files for k, v in _load(f, load_bin).items()}
+    for f in files:
+        with reading_weights(f):
+            state.update(torch.load(f, weights_only=True))
+    return state
