@@ -87,7 +87,7 @@ def test_every_compiled_bucket_reproduces_hugging_face(compiled_store, hf_tiny):
         assert graphs.spec.kv_heads == 4  # 2 KV heads replicated for tp 4
         seqs = prompts_for(bucket.batch, bucket.seq, graphs.spec.vocab)
         check_against_hf(
-            graphs.prefill,
+            graphs.prefill_rows,
             graphs.decode,
             hf_tiny,
             seqs,
@@ -160,7 +160,11 @@ def test_eager_decoder_matches_hugging_face(tmp_path, arch, extra):
             state.pop("lm_head.weight")
             save_file(state, ckpt / "model.safetensors", metadata={"format": "pt"})
     hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    prefill = dec.from_checkpoint(ckpt, dec.Prefill)
+    module = dec.from_checkpoint(ckpt, dec.Prefill)
+
+    def prefill(tokens, lengths, k, v):  # every prompt at once, row r into slot r
+        return module(tokens, lengths, torch.arange(len(lengths)), k, v)
+
     decode = dec.from_checkpoint(ckpt, dec.Decode)
     seq_len = 24
     spec = GraphSpec(2, seq_len, 2, 2, 8, 512, "float32", "cpu")
@@ -193,7 +197,7 @@ def test_cuda_bucket_reproduces_hugging_face(tiny_checkpoint, write_config, hf_t
     assert graphs.spec.device == "cuda"
     seqs = prompts_for(2, 64, graphs.spec.vocab)
     check_against_hf(
-        graphs.prefill,
+        graphs.prefill_rows,
         graphs.decode,
         hf_tiny,
         seqs,

@@ -189,3 +189,24 @@ def test_check_loads_raises_on_a_package_that_does_not_load(tmp_path):
     bad.write_bytes(b"not a package")
     with pytest.raises(Exception):  # noqa: B017 - torch's loader raises several kinds
         check_loads(bad)
+
+
+def test_a_buckets_prefill_lengths_are_in_its_graph_key_on_cpu_only(write_config):
+    """A prefill length below a bucket's sequence adds a graph to it (cpu/cuda), one above
+    does not; neuron buckets ignore prefill lengths (optimum-neuron pads every prefill to
+    the export's length), so their keys do not move."""
+    grid = "sequence_lengths: [32]"
+    short = CONFIG.replace(grid, f"{grid}\n  prefill_lengths: [8]")
+    longer = CONFIG.replace(grid, f"{grid}\n  prefill_lengths: [64]")
+    assert key_of(write_config, short) != key_of(write_config, CONFIG)
+    assert key_of(write_config, longer) == key_of(write_config, CONFIG)
+    assert load_config(write_config(short)).grid.prefill_lengths == [8]
+
+    def neuron(text: str) -> dict:
+        release = load_config(write_config(text))
+        return keys.key_material(release, B, "neuron", weights="w", versions=VERSIONS)
+
+    assert "prefill_lengths" not in neuron(short)
+    assert "prefill_lengths" in keys.key_material(
+        load_config(write_config(short)), B, "cpu", versions=VERSIONS
+    )

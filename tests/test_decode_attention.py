@@ -32,8 +32,9 @@ SHAPES = [
 
 def reference(q, k, v, pos, n, window):
     b, h, _, d = q.shape
-    keys = torch.arange(n, device=q.device)
-    y = dec.attend(q.float(), k.float(), v.float(), pos, keys, window)
+    keys = torch.arange(n, device=q.device)[None]
+    k, v = (c[:n].permute(1, 2, 0, 3).float() for c in (k, v))  # [B, KV, n, D], as decode reads
+    y = dec.attend(q.float(), k, v, pos, keys, window)
     return y.transpose(1, 2).reshape(b, 1, h * d)
 
 

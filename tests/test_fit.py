@@ -266,3 +266,36 @@ def test_bad_options_are_one_line_exit_2(trace, tmp_path, args, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
     assert not out.exists()
+
+
+def test_prefill_lengths_save_the_most_positions_given_each_buckets_own():
+    """Prompts of 10 in a 64 bucket and of 40 in the same bucket: one extra length picks 16
+    (saves 48 per short prompt) over 48 (saves 16 per long one); a second picks 48; a third
+    saves nothing and is not added. Prompts whose request fits no bucket are left out."""
+    from pipeline.plan.fit import fit_prefill_lengths
+
+    prompts = [10] * 5 + [40] * 5 + [500]
+    needs = [20] * 5 + [60] * 5 + [900]
+    assert fit_prefill_lengths(prompts, needs, [64], 0, 16) == ([], 250 / 640)
+    assert fit_prefill_lengths(prompts, needs, [64], 1, 16)[0] == [16]
+    lengths, eff = fit_prefill_lengths(prompts, needs, [64], 3, 16)
+    assert lengths == [16, 48] and eff == 250 / (5 * 16 + 5 * 48)
+    # a bucket's own length already serves its prompts: nothing to add below a 16 bucket
+    assert fit_prefill_lengths([10] * 3, [12] * 3, [16, 64], 2, 16)[0] == []
+
+
+def test_buckets_fit_writes_prefill_lengths_into_the_grid(tmp_path):
+    trace = tmp_path / "t.csv"
+    rows = [(10, 5)] * 50 + [(40, 20)] * 50 + [(200, 50)] * 10
+    trace.write_text("ContextTokens,GeneratedTokens\n" + "".join(f"{c},{g}\n" for c, g in rows))
+    out = tmp_path / "grid.yaml"
+    args = ["buckets", "fit", str(trace), "--column", "ContextTokens", "--plus-column"]
+    args += ["GeneratedTokens", "--max-buckets", "2", "--multiple-of", "16", "--out", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    grid = load_grid(out)
+    assert grid.sequence_lengths == [64, 256]
+    assert grid.prefill_lengths and all(n < 256 for n in grid.prefill_lengths)
+    assert "prefill lengths (fitted to ContextTokens)" in r.output
+    r = CliRunner().invoke(app, [*args, "--prefill-buckets", "0"])
+    assert r.exit_code == 0 and load_grid(out).prefill_lengths == []

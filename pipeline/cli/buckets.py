@@ -53,13 +53,22 @@ def fit(
         str, typer.Option("--batch-sizes", help="Batch sizes of the --out grid, e.g. 1,4,8.")
     ] = "1",
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a CDF plot (PNG).")] = None,
+    prefill_buckets: Annotated[
+        int | None,
+        typer.Option(
+            "--prefill-buckets",
+            min=0,
+            help="Also fit K prefill lengths to --column alone (the prompts); default 3 with "
+            "--plus-column, else 0.",
+        ),
+    ] = None,
     json: JsonOpt = False,
 ) -> None:
     """Fit sequence-length buckets to a request trace (exactly optimal), against baselines."""
     from pipeline.errors import InputError
     from pipeline.plan.buckets import write_grid
     from pipeline.plan.fit import fit as fit_buckets
-    from pipeline.plan.fit import grid_comment, to_grid
+    from pipeline.plan.fit import fit_prefill_lengths, grid_comment, to_grid
     from pipeline.plan.traces import read_lengths
 
     if (max_buckets is None) == (target_efficiency is None):
@@ -78,16 +87,33 @@ def fit(
         max_len=max_len,
     )
     source = f"{trace.name} ({column}{' + ' + plus_column if plus_column else ''})"
+    k = prefill_buckets if prefill_buckets is not None else (3 if plus_column else 0)
+    prefill: tuple[list[int], float] | None = None
+    if k:
+        prompts = read_lengths(trace, column)
+        prefill = fit_prefill_lengths(prompts, lengths, result.buckets, k, multiple_of)
     if out is not None:
-        write_grid(to_grid(result, sizes), out, comment=grid_comment(result, source))
+        comment = grid_comment(result, source)
+        if prefill:
+            comment += f"\nPrefill lengths fitted to {column}: prompts {prefill[1]:.1%} efficient."
+        write_grid(to_grid(result, sizes, prefill[0] if prefill else ()), out, comment=comment)
     if plot is not None:
         from pipeline.plan.fit_plot import plot_fit
 
         plot_fit(result, lengths, plot, title=source)
     if json:
-        print_json(result.to_dict())
+        data = result.to_dict()
+        if prefill:
+            data["prefill"] = {"lengths": prefill[0], "efficiency": prefill[1]}
+        print_json(data)
         return
     _print_fit(result, source, out, plot)
+    if prefill:
+        alone = fit_prefill_lengths(read_lengths(trace, column), lengths, result.buckets, 0)
+        typer.echo(
+            f"prefill lengths (fitted to {column}): {prefill[0]}; prompt efficiency "
+            f"{prefill[1]:.1%} (each bucket's own length only: {alone[1]:.1%})"
+        )
 
 
 def _int_list(option: str, text: str) -> list[int]:

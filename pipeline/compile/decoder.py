@@ -33,12 +33,17 @@ from pipeline.plan.checkpoint import ARCHITECTURES
 
 class Caches(NamedTuple):
     """What one layer's attention needs of the caches: both whole (written in place with one
-    index_put each, see ``write_cache``), its layer, and the positions it reads."""
+    index_put each, see ``write_cache``), its layer, the cache rows (slots) this call's
+    sequences live in, and the positions it reads.
+
+    ``keys`` None: a prefill, which starts its slot from position 0, so it attends only the
+    keys and values it computes itself and reads nothing back from the cache."""
 
     k: Tensor  # [L, S, B, KV, D]
     v: Tensor
     layer: int
-    keys: Tensor  # [S'] cache positions attended, 0..S'-1
+    rows: Tensor  # [N] the cache row of each sequence of this call
+    keys: Tensor | None  # [S'] cache positions attended, 0..S'-1; None for a prefill
 
 
 # Rope types whose frequencies change with the sequence length at run time.
@@ -75,19 +80,25 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches) -> Tensor:
         # x: [B, T, hidden]; cos/sin: [B, T, D]; pos: [B, T]
         b, t, _ = x.shape
-        k_cache, v_cache, layer, keys = caches
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        write_cache(k_cache, layer, k, pos)
-        write_cache(v_cache, layer, v, pos)
-        if DECODE_ATTENTION_KERNEL and decode_attention.usable(q):
+        k_cache, v_cache, layer, rows, keys = caches
+        write_cache(k_cache, layer, k, pos, rows)
+        write_cache(v_cache, layer, v, pos, rows)
+        if keys is None:  # prefill: the whole context is k and v themselves
+            y = attend(q, k, v, pos, pos, self.window)
+        elif DECODE_ATTENTION_KERNEL and decode_attention.usable(q):
             n = keys.shape[0]
             y = decode_attention.attend(q, k_cache[layer], v_cache[layer], pos, n, self.window)
         else:
-            y = attend(q, k_cache[layer], v_cache[layer], pos, keys, self.window)
+            n = keys.shape[0]
+            k_seen = k_cache[layer][:n].permute(1, 2, 0, 3)  # [B, KV, S', D]
+            v_seen = v_cache[layer][:n].permute(1, 2, 0, 3)
+            y = attend(q, k_seen, v_seen, pos, keys[None], self.window)
+        if y.dim() == 4:
             y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.o_proj(y)
 
@@ -142,17 +153,24 @@ class Decoder(nn.Module):
         self.register_buffer("rope_inv_freq", inv_freq)
 
     def hidden(
-        self, tokens: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor, keys: Tensor
+        self,
+        tokens: Tensor,
+        pos: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        rows: Tensor,
+        keys: Tensor | None,
     ) -> Tensor:
-        # tokens, pos: [B, T]; caches: [L, S, B, KV, D], updated in place; keys: [S'] the
-        # cache positions attention reads, 0..S'-1 (S' ≤ S)
+        # tokens, pos: [N, T]; caches: [L, S, B, KV, D], updated in place; rows: [N] the cache
+        # row of each sequence; keys: [S'] the cache positions attention reads, 0..S'-1
+        # (S' ≤ S), or None for a prefill from position 0
         x = self.model.embed_tokens(tokens)
         freqs = pos[..., None].float() * self.rope_inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scale).to(x.dtype)
         sin = (emb.sin() * self.rope_scale).to(x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, pos, Caches(k_cache, v_cache, i, keys))
+            x = layer(x, cos, sin, pos, Caches(k_cache, v_cache, i, rows, keys))
         return x
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -160,15 +178,23 @@ class Decoder(nn.Module):
 
 
 class Prefill(Decoder):
-    """Prefill graph: right-padded prompts fill the cache; per row, the logits of the last real
-    token and the greedy next token."""
+    """Prefill graph: P right-padded prompts of T tokens fill cache rows ``slots`` from
+    position 0 (positions 0..T-1 of each; the other rows are untouched); per prompt, the
+    logits of its last real token and the greedy next token.
 
-    def forward(self, tokens: Tensor, lengths: Tensor, k_cache: Tensor, v_cache: Tensor):
-        # tokens: [B, S]; lengths: [B] real tokens per row (≥ 1)
-        b, s = tokens.shape
-        pos = torch.arange(s, device=tokens.device).expand(b, s)
-        hidden = self.hidden(tokens, pos, k_cache, v_cache, pos[0])
-        last = hidden[torch.arange(b, device=tokens.device), lengths - 1]  # [B, hidden]
+    A request joins a running bucket without disturbing its other rows. T is one of the
+    bucket's prefill lengths, so a short prompt in a long bucket pays for its own length,
+    not the bucket's; P (1..B, a dynamic size where export allows) lets the requests that
+    arrive together share one call."""
+
+    def forward(
+        self, tokens: Tensor, lengths: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor
+    ):
+        # tokens: [P, T]; lengths: [P] real tokens (1..T); slots: [P] distinct cache rows
+        p, t = tokens.shape
+        pos = torch.arange(t, device=tokens.device).expand(p, t)
+        hidden = self.hidden(tokens, pos, k_cache, v_cache, slots, None)
+        last = hidden[torch.arange(p, device=tokens.device), lengths - 1]  # [P, hidden]
         return greedy(self.logits(last))
 
 
@@ -188,8 +214,10 @@ class Decode(Decoder):
         v_cache: Tensor,
         key_positions: Tensor,
     ):
-        # tokens: [B, 1]; positions: [B], where this token goes in the cache
-        hidden = self.hidden(tokens, positions[:, None], k_cache, v_cache, key_positions)
+        # tokens: [B, 1]; positions: [B], where this token goes in the cache (a row not in
+        # use is stepped too, at any position < S: its output is ignored)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        hidden = self.hidden(tokens, positions[:, None], k_cache, v_cache, rows, key_positions)
         return greedy(self.logits(hidden[:, 0]))
 
 
@@ -232,33 +260,33 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def write_cache(cache: Tensor, layer: int, new: Tensor, pos: Tensor) -> None:
-    """Write ``new`` at ``pos`` into layer ``layer`` of ``cache``, in place.
+def write_cache(cache: Tensor, layer: int, new: Tensor, pos: Tensor, rows: Tensor) -> None:
+    """Write ``new`` at ``pos`` of cache rows ``rows`` into layer ``layer`` of ``cache``, in
+    place.
 
     One index_put on the whole [L, S, B, KV, D] cache, not a scatter into the layer's view:
     compiled, a write through a view of a graph input became a copy of the whole cache per
     layer and step (on an H200 at batch 32, 1.5 ms of a 2.9 ms Llama-3.2-1B decode step;
     bench/profile_cuda_decode.py), while an index_put on the input itself stays in place."""
-    # cache: [L, S, B, KV, D]; new: [B, KV, T, D]; pos: [B, T]
-    b, kv = new.shape[:2]
+    # cache: [L, S, B, KV, D]; new: [N, KV, T, D]; pos: [N, T]; rows: [N]
+    kv = new.shape[1]
     at = torch.full((1, 1, 1), layer, dtype=torch.long, device=pos.device)
-    rows = torch.arange(b, device=pos.device)[:, None, None]
     heads = torch.arange(kv, device=pos.device)[None, :, None]
-    cache.index_put_((at, pos[:, None, :], rows, heads), new)
+    cache.index_put_((at, pos[:, None, :], rows[:, None, None], heads), new)
 
 
 def attend(
     q: Tensor, k: Tensor, v: Tensor, pos: Tensor, keys: Tensor, window: int | None
 ) -> Tensor:
-    # q: [B, H, T, D]; k, v: [S, B, KV, D] (one layer); pos: [B, T]; keys: [S'] -> [B, H, T, D]
-    # Only the first S' positions are read: decode cost follows the filled length, not the
-    # bucket's. The cache is position-major so that this prefix is a dense block for any S'
-    # (a slice of an inner dimension would make export specialise S' to the bucket length).
-    # One fused attention kernel; enable_gqa maps query head j to KV head j // (H/KV)
+    # q: [B, H, T, D]; k, v: [B, KV, S', D]; pos: [B, T] the queries' positions; keys: [B, S']
+    # (or [1, S']) the keys' positions -> [B, H, T, D]
+    # Decode passes the first S' cache positions: its cost follows the filled length, not
+    # the bucket's. The cache is position-major so that this prefix is a dense block for any
+    # S' (a slice of an inner dimension would make export specialise S' to the bucket
+    # length). One fused attention kernel; enable_gqa maps query head j to KV head j // (H/KV)
     # without copying the cache (measured faster than folding the heads into the query
     # length, by hand or through SDPA: bench/profile_cuda_decode.py).
-    n = keys.shape[0]
-    k, v = k[:n].permute(1, 2, 0, 3), v[:n].permute(1, 2, 0, 3)  # [B, KV, S', D]
+    keys = keys[:, None, :]  # [B, 1, S']
     visible = keys <= pos[..., None]  # causal: [B, T, S']
     if window is not None:
         visible = visible & (keys > pos[..., None] - window)

@@ -19,12 +19,13 @@ from typing import Any
 
 from pipeline._files import atomic_write_text, sha256_file
 from pipeline.errors import CheckpointError
-from pipeline.plan.buckets import Bucket
+from pipeline.plan.buckets import Bucket, prefill_lengths
 from pipeline.plan.config import Release
 from pipeline.plan.report import release_gqa_plan
 
 # Bump when what a backend writes for the same inputs changes (graph ABI, file layout).
-FORMAT_VERSION = 4  # 3: graphs and prepared weights cached apart; 4: graph ABI 3
+# 3: graphs and prepared weights cached apart; 4: graph ABI 3; 5: graph ABI 4 (slots)
+FORMAT_VERSION = 5
 # Files that hold weights, in every layout transformers writes.
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 
@@ -163,6 +164,8 @@ def key_material(
         "auto_cast_type": cfg.compiler.auto_cast_type,
         "options": be.key_options(cfg.compiler.flags, cfg.target.instance_type),
     }
+    if be.prefill_per_length:
+        material["prefill_lengths"] = list(prefill_lengths(bucket, release.grid.prefill_lengths))
     if be.graphs_depend_on_weights:
         material["weights"] = weights or weights_digest(release.checkpoint)
         material["model_config"] = model_config_digest(release.checkpoint)

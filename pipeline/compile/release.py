@@ -221,6 +221,11 @@ def build_manifest(
         grid={
             "batch_sizes": list(release.grid.batch_sizes),
             "sequence_lengths": list(release.grid.sequence_lengths),
+            **(
+                {"prefill_lengths": list(release.grid.prefill_lengths)}
+                if release.grid.prefill_lengths
+                else {}
+            ),
         },
         gqa=gqa.to_dict(),
         versions=dict(sorted(versions.items())),

@@ -433,6 +433,7 @@ class _Scheduler:
             out_dir=out_dir,
             shared=shared,
             instance_type=cfg.target.instance_type,
+            prefill_lengths=tuple(self.release.grid.prefill_lengths),
         )
         spec = {
             "kind": "bucket",

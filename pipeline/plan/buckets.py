@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -48,8 +48,12 @@ class BucketGrid(BaseModel):
 
     batch_sizes: list[PositiveInt] = Field(min_length=1)
     sequence_lengths: list[PositiveInt] = Field(min_length=1)
+    # Prompt lengths a bucket also compiles a prefill graph for, besides its own sequence
+    # length (those below it; cpu/cuda only): a short prompt in a long bucket pays for its
+    # own length. `buckets fit` fits them to a trace's prompt lengths.
+    prefill_lengths: list[PositiveInt] = Field(default_factory=list)
 
-    @field_validator("batch_sizes", "sequence_lengths")
+    @field_validator("batch_sizes", "sequence_lengths", "prefill_lengths")
     @classmethod
     def _no_duplicates(cls, v: list[int]) -> list[int]:
         dups = sorted({x for x in v if v.count(x) > 1})
@@ -59,6 +63,12 @@ class BucketGrid(BaseModel):
 
     def buckets(self) -> list[Bucket]:
         return [Bucket(b, s) for b in self.batch_sizes for s in self.sequence_lengths]
+
+
+def prefill_lengths(bucket: Bucket, configured: Sequence[int] = ()) -> tuple[int, ...]:
+    """The prompt lengths ``bucket`` has prefill graphs for: the configured ones below its
+    sequence length, and that length itself."""
+    return (*sorted({n for n in configured if n < bucket.seq}), bucket.seq)
 
 
 def select_bucket(buckets: Iterable[Bucket], batch: int, seq: int) -> Bucket | None:
@@ -85,4 +95,6 @@ def write_grid(grid: BucketGrid, path: Path, comment: str | None = None) -> None
         f"batch_sizes: {list(grid.batch_sizes)}",
         f"sequence_lengths: {list(grid.sequence_lengths)}",
     ]
+    if grid.prefill_lengths:
+        lines.append(f"prefill_lengths: {list(grid.prefill_lengths)}")
     atomic_write_text(path, "\n".join(lines) + "\n")

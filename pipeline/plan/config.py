@@ -69,6 +69,7 @@ class BucketsSection(_Section):
     grid: Path | None = None
     batch_sizes: list[PositiveInt] | None = None
     sequence_lengths: list[PositiveInt] | None = None
+    prefill_lengths: list[PositiveInt] | None = None  # overrides the grid file's
 
     @model_validator(mode="after")
     def _one_source(self) -> BucketsSection:
@@ -140,7 +141,13 @@ def load_config(path: Path | str) -> Release:
         grid = load_grid(grid_path)
         update["buckets"] = config.buckets.model_copy(update={"grid": grid_path})
     else:
-        grid = _grid_from_inline(located, config.buckets)
+        grid = _grid_from_inline(
+            located, config.buckets.batch_sizes, config.buckets.sequence_lengths
+        )
+    if config.buckets.prefill_lengths is not None:  # the config's own override the grid's
+        grid = _grid_from_inline(
+            located, grid.batch_sizes, grid.sequence_lengths, config.buckets.prefill_lengths
+        )
     config = config.model_copy(update=update)
     _check_checkpoint(located, config.model.checkpoint)
     if config.target.backend == "neuron":
@@ -188,10 +195,14 @@ def _config_error(located: Located, err: dict[str, Any]) -> ConfigError:
     return ConfigError(str(located.path), msg, hint, line=located.line_of(loc), field=field)
 
 
-def _grid_from_inline(located: Located, section: BucketsSection) -> BucketGrid:
+def _grid_from_inline(
+    located: Located, batch_sizes: Any, sequence_lengths: Any, prefill_lengths: Any = ()
+) -> BucketGrid:
     try:
         return BucketGrid(
-            batch_sizes=section.batch_sizes, sequence_lengths=section.sequence_lengths
+            batch_sizes=batch_sizes,
+            sequence_lengths=sequence_lengths,
+            prefill_lengths=list(prefill_lengths),
         )
     except ValidationError as e:
         err = dict(e.errors()[0])

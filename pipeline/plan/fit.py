@@ -291,15 +291,67 @@ def pow2_buckets(longest: int) -> list[int]:
     return grid
 
 
-def to_grid(result: FitResult, batch_sizes: Sequence[int] = (1,)) -> BucketGrid:
-    """The fitted lengths × ``batch_sizes`` as a grid file's model."""
+def fit_prefill_lengths(
+    prompts: Sequence[int],
+    needs: Sequence[int],
+    seq_lengths: Sequence[int],
+    k: int,
+    multiple_of: int = 1,
+) -> tuple[list[int], float]:
+    """Up to ``k`` prefill lengths for a grid, and the prompt efficiency they reach.
+
+    A request runs in the shortest bucket S ≥ its need (prompt + answer) and prefills its
+    prompt n at the shortest of S's prefill lengths ≥ n: those below S, or S itself. Lengths
+    are chosen greedily, each the one that saves the most prefill positions given those
+    before it (candidates: prompt lengths rounded up to ``multiple_of``), stopping early when
+    none saves any. Requests longer than every bucket are left out."""
+    seqs = sorted(seq_lengths)
+    groups: Counter[tuple[int, int]] = Counter()  # (bucket S, rounded prompt) -> requests
+    real = 0
+    for n, need in zip(prompts, needs, strict=True):
+        at = bisect.bisect_left(seqs, need)
+        if at == len(seqs) or n < 1:
+            continue
+        groups[(seqs[at], min(_round_up(n, multiple_of), seqs[at]))] += 1
+        real += n
+    if not groups:
+        raise InputError("prefill lengths", "no request fits the grid", None)
+    cost = {g: g[0] for g in groups}  # positions each group's prefill computes now
+    candidates = sorted({n for _, n in groups if n < seqs[-1]})
+    chosen: list[int] = []
+    for _ in range(k):
+        gains = {
+            c: sum(groups[g] * (cost[g] - c) for g in groups if g[1] <= c < cost[g])
+            for c in candidates
+            if c not in chosen
+        }
+        best = max(gains, key=lambda c: (gains[c], -c), default=None)
+        if best is None or gains[best] <= 0:
+            break
+        chosen.append(best)
+        for g in groups:
+            if g[1] <= best < cost[g]:
+                cost[g] = best
+    computed = sum(groups[g] * cost[g] for g in groups)
+    return sorted(chosen), real / computed
+
+
+def to_grid(
+    result: FitResult, batch_sizes: Sequence[int] = (1,), prefill: Sequence[int] = ()
+) -> BucketGrid:
+    """The fitted lengths × ``batch_sizes`` (and ``prefill`` lengths) as a grid file's model."""
     sizes = list(batch_sizes)
     bad = [b for b in sizes if b < 1]
     dups = sorted({b for b in sizes if sizes.count(b) > 1})
     if not sizes or bad or dups:
         why = "empty" if not sizes else f"{bad[0]} is not ≥ 1" if bad else f"{dups} repeated"
         raise InputError("--batch-sizes", why, "e.g. 1,4,8")
-    return BucketGrid(batch_sizes=sizes, sequence_lengths=result.buckets)
+    longest = max(result.buckets)
+    return BucketGrid(
+        batch_sizes=sizes,
+        sequence_lengths=result.buckets,
+        prefill_lengths=sorted({n for n in prefill if n < longest}),
+    )
 
 
 def grid_comment(result: FitResult, source: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.errors import PlanError
+from pipeline.plan.buckets import Bucket, prefill_lengths
 from pipeline.plan.checkpoint import ModelShape, read_shape
 from pipeline.plan.config import DTYPE_BYTES, Release
 from pipeline.plan.gqa import GqaPlan, plan_gqa
@@ -31,6 +32,13 @@ class ReleasePlan:
     resident: Residency  # every bucket loaded at once
     tp_options: list[TpOption]  # degrees that fit, least padding first, then larger tp
 
+    def prefill_lengths(self, bucket: Bucket) -> tuple[int, ...]:
+        """The prompt lengths the bucket prefills at: the grid's shorter prefill lengths on
+        cpu/cuda; on neuron only the export's own (optimum-neuron pads every prefill to it)."""
+        if self.release.config.target.backend in ("cpu", "cuda"):
+            return prefill_lengths(bucket, self.release.grid.prefill_lengths)
+        return (bucket.seq,)
+
     @property
     def all_fit(self) -> bool:
         return all(b.fits for b in self.buckets)
@@ -51,6 +59,7 @@ class ReleasePlan:
                     "name": m.bucket.name,
                     "batch": m.bucket.batch,
                     "seq": m.bucket.seq,
+                    "prefill_lengths": list(self.prefill_lengths(m.bucket)),
                     "kv_cache_bytes_per_core": m.kv_cache_bytes,
                     "total_bytes_per_core": m.total_bytes,
                     "fits": m.fits,

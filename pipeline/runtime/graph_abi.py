@@ -3,32 +3,46 @@
 A bucket directory holds::
 
     graph.json           GraphSpec below: shapes, dtype, device, the constants' names
-    prefill.pt2          AOTInductor package
+    prefill.pt2          AOTInductor package: prefill at the bucket's sequence length S
+    prefill_<T>.pt2      the same at each shorter prefill length T (``prefill_lengths``)
     decode.pt2           AOTInductor package
-    weights.safetensors  every constant of both graphs, by name (identical in every bucket
+    weights.safetensors  every constant of every graph, by name (identical in every bucket
                          of a release, so the store keeps one blob and a loader one copy)
 
-Both graphs take the KV caches as inputs and update them **in place**; the caller owns them
-(allocate with ``new_cache``), so prefill and decode share one cache without copies and
-CUDA graphs can capture both with fixed addresses. Both return (logits, next_tokens): the
-greedy argmax is computed inside the graph, so a greedy step needs no kernel of its own.
+A bucket of batch B is B *slots*: cache rows that hold one sequence each. Prefill fills the
+slots it is given and leaves the others alone; decode steps every row at its own position.
+So a request joins a running bucket (a prefill into a free slot between two steps) and
+leaves it (its row is simply no longer read), which is what an iteration-level server needs
+(``pipeline.server.engine``), and what optimum-neuron's continuous-batching exports do with
+their ``seq_ids``.
 
-``prefill(tokens, lengths, k_cache, v_cache) -> (logits, next_tokens)``
-    tokens      int64 [B, S]  prompts, right-padded (any pad id)
-    lengths     int64 [B]     real tokens per row, 1..S
-    logits      fp32  [B, V]  for each row's last real token (position lengths-1)
-    next_tokens int64 [B]     argmax of logits
-    writes cache positions 0..S-1 (pad positions hold junk that decode overwrites)
+Every graph takes the KV caches as inputs and updates them **in place**; the caller owns
+them (allocate with ``new_cache``), so all graphs share one cache without copies and CUDA
+graphs can capture decode with fixed addresses. Each returns (logits, next_tokens): fp32
+logits for a sampler to read, and their greedy argmax computed inside the graph, so a
+greedy step needs no kernel of its own and a sampling step needs no new graph.
+
+``prefill(tokens, lengths, slots, k_cache, v_cache) -> (logits, next_tokens)``
+    tokens      int64 [P, T]  P prompts (1 ≤ P ≤ ``prefill_batch``), right-padded (any pad
+                              id); T one of the bucket's prefill lengths
+    lengths     int64 [P]     their real tokens, 1..T
+    slots       int64 [P]     the distinct cache rows to fill, 0..B-1
+    logits      fp32  [P, V]  for each prompt's last real token (position length-1)
+    next_tokens int64 [P]     argmax of logits
+    writes positions 0..T-1 of the rows ``slots`` only (pad positions hold junk that decode
+    overwrites before it reads them); each prompt attends only itself
 
 ``decode(tokens, positions, k_cache, v_cache, key_positions) -> (logits, next_tokens)``
     tokens      int64 [B, 1]  one new token per row
-    positions   int64 [B]     where it goes: lengths for the first step, then +1 each step
+    positions   int64 [B]     where it goes: the prompt's length for the first step, then
+                              +1 each step; a row not in use: any position < S (0), its
+                              outputs ignored and its writes confined to its own free row
     key_positions int64 [S']  0..S'-1 with max(positions) < S' ≤ S: attention reads only
                               these cache positions (a dynamic dimension: one package for
                               every S'; callers use a few, ``key_tiers``)
     logits      fp32  [B, V]
     next_tokens int64 [B]     argmax of logits
-    attends to cache positions 0..positions (inclusive)
+    attends to cache positions 0..positions (inclusive) of its own row
 
 Weights: Hugging Face names, with q/k/v and gate/up stacked into ``qkv_proj`` and
 ``gate_up_proj`` (``pipeline.compile.decoder.fuse_checkpoint``).
@@ -37,8 +51,7 @@ Bounds are the caller's job: positions must be < S and token ids < V. The kernel
 indices, and a failed check aborts the process rather than raising.
 
 caches: ``dtype`` [L, S, B, KV, D] each (KV after GQA padding; position-major, so the
-positions a decode step reads are one dense block). Rows that are not in use
-may hold any tokens with length 1; their logits are meaningless.
+positions a decode step reads are one dense block).
 
 Weights are not inside the packages (AOTInductor ``package_constants_in_so=False``): load
 them once with ``load_weights`` and bind them to each graph with ``load_graph``, which calls
@@ -49,17 +62,19 @@ tensors. Nothing here imports torch until it is called.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# 2: fused qkv_proj / gate_up_proj weights; next_tokens output. 3: decode's key_positions
-ABI_VERSION = 3
+# 2: fused qkv_proj / gate_up_proj weights; next_tokens output. 3: decode's key_positions.
+# 4: slots: prefill fills the cache rows it is given, at one of several prompt lengths
+ABI_VERSION = 4
 GRAPH_FILE = "graph.json"
-PREFILL_FILE = "prefill.pt2"
+PREFILL_FILE = "prefill.pt2"  # at the bucket's own length; shorter ones: prefill_file(T)
 DECODE_FILE = "decode.pt2"
 WEIGHTS_FILE = "weights.safetensors"
-PREFILL_INPUTS = ("tokens", "lengths", "k_cache", "v_cache")
+PREFILL_INPUTS = ("tokens", "lengths", "slots", "k_cache", "v_cache")
 DECODE_INPUTS = ("tokens", "positions", "k_cache", "v_cache", "key_positions")
 SMALLEST_TIER = 64  # the shortest cache prefix a decode step attends
 OUTPUTS = ("logits", "next_tokens")  # fp32 [B, V]; int64 [B], the argmax
@@ -91,6 +106,19 @@ class GraphSpec:
     # decode takes any key_positions length 2..S (False: the compiler could not make that
     # length dynamic for this model, e.g. fp32 attention kernels that pad it: only S)
     attend_prefix: bool = True
+    # the prompt lengths T with a prefill package, rising to ``seq`` (empty: just ``seq``)
+    prefill_lengths: tuple[int, ...] = ()
+    # prompts one prefill call takes: 1..this many (the batch; 1 where export could not make
+    # that size dynamic)
+    prefill_batch: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.prefill_lengths:
+            object.__setattr__(self, "prefill_lengths", (self.seq,))
+
+    def prefill_length(self, prompt: int) -> int:
+        """The shortest prefill length that holds a prompt of ``prompt`` tokens."""
+        return next((n for n in self.prefill_lengths if n >= prompt), self.seq)
 
     @property
     def key_tiers(self) -> tuple[int, ...]:
@@ -117,9 +145,15 @@ class GraphSpec:
                 f"{ABI_VERSION}",
                 "compile and publish the release again with this version",
             )
-        for k in ("prefill_inputs", "decode_inputs", "outputs"):
-            data[k] = tuple(data[k])
+        for k in ("prefill_inputs", "decode_inputs", "outputs", "prefill_lengths"):
+            data[k] = tuple(data.get(k, ()))
         return cls(**data)
+
+
+def prefill_file(length: int, seq: int | None = None) -> str:
+    """The package of the prefill graph at ``length`` tokens: ``prefill.pt2`` at the bucket's
+    own length ``seq`` (or when ``seq`` is not given and the caller means that one)."""
+    return PREFILL_FILE if seq is None or length == seq else f"prefill_{length}.pt2"
 
 
 def key_tiers(seq: int, smallest: int = SMALLEST_TIER) -> tuple[int, ...]:
@@ -250,7 +284,7 @@ def check_runs_here(spec: GraphSpec, bucket_dir: Path, device: Any = None) -> No
 
 
 class BucketGraphs:
-    """Both graphs of one bucket directory, ready to call."""
+    """Every graph of one bucket directory, ready to call."""
 
     def __init__(
         self,
@@ -267,13 +301,80 @@ class BucketGraphs:
         check_runs_here(self.spec, self.dir, self.device)
         self.weights = weights or load_weights(self.dir / WEIGHTS_FILE, self.device)
         args = (self.weights, self.spec, self.device)
-        self.prefill = load_graph(self.dir / PREFILL_FILE, *args, single_threaded=single_threaded)
+        # prompt length T -> the prefill graph at T
+        self.prefills = {
+            n: load_graph(
+                self.dir / prefill_file(n, self.spec.seq), *args, single_threaded=single_threaded
+            )
+            for n in self.spec.prefill_lengths
+        }
         self.decode = _checked_key_positions(
             load_graph(self.dir / DECODE_FILE, *args, single_threaded=single_threaded), self.spec
         )
 
     def new_cache(self) -> tuple[Any, Any]:
         return new_cache(self.spec, self.device)
+
+    def prefill(
+        self, slots: Sequence[int], prompts: Sequence[Any], k_cache: Any, v_cache: Any
+    ) -> tuple[Any, Any]:
+        """Fill cache rows ``slots`` with ``prompts`` (lists of ids, or int64 tensors), at
+        most ``spec.prefill_batch`` per call and all at the shortest prefill length that
+        holds the longest of them: (logits [P, V], next_tokens [P])."""
+        import torch
+
+        spec = self.spec
+        lengths = [len(p) for p in prompts]
+        bad = not 1 <= len(prompts) <= spec.prefill_batch or len(set(slots)) != len(slots)
+        if bad or len(slots) != len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts into slots {list(slots)}: this bucket prefills "
+                f"1..{spec.prefill_batch} prompts per call into distinct slots"
+            )
+        if (
+            min(lengths) < 1
+            or max(lengths) > spec.seq
+            or not all(0 <= s < spec.batch for s in slots)
+        ):
+            raise ValueError(
+                f"prompts of {lengths} tokens into slots {list(slots)}: this bucket takes "
+                f"1..{spec.seq} tokens into slots 0..{spec.batch - 1}"
+            )
+        t = spec.prefill_length(max(lengths))
+        tokens = torch.zeros((len(prompts), t), dtype=torch.int64)
+        for r, p in enumerate(prompts):
+            tokens[r, : lengths[r]] = torch.as_tensor(p, dtype=torch.int64).cpu()
+        dev = self.device
+        return self.prefills[t](
+            tokens.to(dev),
+            torch.tensor(lengths, dtype=torch.int64, device=dev),
+            torch.tensor(list(slots), dtype=torch.int64, device=dev),
+            k_cache,
+            v_cache,
+        )
+
+    def prefill_rows(
+        self, tokens: Any, lengths: Any, k_cache: Any, v_cache: Any
+    ) -> tuple[Any, Any]:
+        """Right-padded prompts [B', S'] with ``lengths`` [B'], row r into slot r:
+        (logits [B', V], next_tokens [B']). Rows of one prefill length share calls (of at
+        most ``prefill_batch`` prompts), so each prompt runs at its own length."""
+        import torch
+
+        n = [int(x) for x in lengths.tolist()]
+        groups: dict[int, list[int]] = {}
+        for r, length in enumerate(n):
+            groups.setdefault(self.spec.prefill_length(length), []).append(r)
+        logits: list[Any] = [None] * len(n)
+        nxt: list[Any] = [None] * len(n)
+        step = self.spec.prefill_batch
+        for rows in groups.values():
+            for a in range(0, len(rows), step):
+                part = rows[a : a + step]
+                out = self.prefill(part, [tokens[r, : n[r]] for r in part], k_cache, v_cache)
+                for i, r in enumerate(part):
+                    logits[r], nxt[r] = out[0][i], out[1][i]
+        return torch.stack(logits), torch.stack(nxt)
 
 
 def _checked_key_positions(decode: Any, spec: GraphSpec) -> Any:

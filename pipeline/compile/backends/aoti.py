@@ -1,9 +1,10 @@
 """cpu and cuda backends: ``torch.export`` + AOTInductor, a prefill and a decode package.
 
-Per bucket: export ``decoder.Prefill`` and ``decoder.Decode`` with static shapes (but for
-the number of cache positions decode attends, a dynamic size), compile
-each with ``aoti_compile_and_package`` into ``prefill.pt2`` / ``decode.pt2``, and describe
-them in ``graph.json`` (``pipeline.runtime.graph_abi``). Weights stay out of the packages
+Per bucket: export ``decoder.Prefill`` at each of the bucket's prefill lengths and
+``decoder.Decode``, with static shapes (but for the number of cache positions decode attends,
+a dynamic size), compile each with ``aoti_compile_and_package`` into ``prefill.pt2`` (the
+bucket's length), ``prefill_<T>.pt2`` (shorter prefill lengths) and ``decode.pt2``, and
+describe them in ``graph.json`` (``pipeline.runtime.graph_abi``). Weights stay out of the packages
 (``package_constants_in_so=False``): ``prepare`` writes them once per release into
 ``weights.safetensors``, shared by every bucket and cached under the weights key, and export
 runs on uninitialised tensors, so the packages do not depend on the weights
@@ -31,14 +32,15 @@ from typing import Any
 from pipeline.compile.backends import pdl, tuning
 from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
 from pipeline.errors import CheckpointError, InputError
+from pipeline.plan.buckets import prefill_lengths
 from pipeline.plan.checkpoint import read_checkpoint
 from pipeline.runtime.graph_abi import (
     DECODE_FILE,
     GRAPH_FILE,
-    PREFILL_FILE,
     WEIGHTS_FILE,
     GraphSpec,
     cuda_arch,
+    prefill_file,
 )
 
 FLAG_PREFIX = "inductor."
@@ -82,6 +84,7 @@ def parse_flags(flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
 
 class AotiBackend(Backend):
     device = "cpu"
+    prefill_per_length = True
 
     def versions(self) -> dict[str, str]:
         return {p: metadata.version(p) for p in ("torch", "transformers")}
@@ -157,16 +160,19 @@ class AotiBackend(Backend):
             device=self.device,
             aliases=dec.aliases(model),
             cuda_arch=cuda_arch() if self.device == "cuda" else "",
+            prefill_lengths=prefill_lengths(job.bucket, job.prefill_lengths),
+            prefill_batch=job.bucket.batch,
         )
         options = self.inductor_options(job.flags)
         seconds = {}
-        for name, graph, args, dynamic in self._graphs(spec):
+        cache = [torch.zeros(spec.cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
+        for name, graph, inputs, dynamic in self._graphs(spec, *cache):
             module = dec.build(cfg, dtype, self.device, graph)
-            if not spec.constants:  # both graphs take the same constants
+            if not spec.constants:  # every graph takes the same constants
                 spec = dataclasses.replace(spec, constants=constant_specs(module))
-            cache = [torch.zeros(spec.cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
+            if graph is dec.Prefill and spec.prefill_batch == 1 and dynamic is not None:
+                inputs, dynamic = _one_prompt(inputs), None  # an earlier length fell back
             start = time.monotonic()
-            inputs = (*args[:2], *cache, *args[2:])
             with torch.no_grad():
                 try:
                     program = torch.export.export(
@@ -175,10 +181,16 @@ class AotiBackend(Backend):
                 except torch._dynamo.exc.UserError as e:
                     if dynamic is None:
                         raise
-                    # An attention kernel whose inputs must be padded or aligned makes the
-                    # attended length take fixed values: attend the whole bucket instead.
-                    print(f"{name}: attends the whole bucket ({str(e).splitlines()[0]})")
-                    spec = dataclasses.replace(spec, attend_prefix=False)
+                    why = str(e).splitlines()[0]
+                    if graph is dec.Decode:
+                        # An attention kernel whose inputs must be padded or aligned makes
+                        # the attended length take fixed values: attend the whole bucket.
+                        print(f"{name}: attends the whole bucket ({why})")
+                        spec = dataclasses.replace(spec, attend_prefix=False)
+                    else:  # one prompt per prefill call
+                        print(f"{name}: prefills one prompt per call ({why})")
+                        spec = dataclasses.replace(spec, prefill_batch=1)
+                        inputs = _one_prompt(inputs)
                     program = torch.export.export(module, inputs, strict=False)
             path = job.out_dir / name
             with pdl.launches(options) as launched, tuning.clean_timings(self.device):
@@ -191,28 +203,42 @@ class AotiBackend(Backend):
             check_loads(path)
         (job.out_dir / GRAPH_FILE).write_text(spec.to_json())
         # No weights here: prepare() wrote them once, cached under the weights key.
-        files = {n: job.out_dir / n for n in (PREFILL_FILE, DECODE_FILE, GRAPH_FILE)}
+        names = [
+            *(prefill_file(n, spec.seq) for n in spec.prefill_lengths),
+            DECODE_FILE,
+            GRAPH_FILE,
+        ]
+        files = {n: job.out_dir / n for n in names}
         return BucketOutput(
             files=files,
             meta={"device": self.device, "inductor_options": options, "graph_seconds": seconds},
         )
 
-    def _graphs(self, spec: GraphSpec):
+    def _graphs(self, spec: GraphSpec, k_cache: Any, v_cache: Any):
+        """(file, graph class, example inputs, dynamic shapes) of every package of a bucket."""
         import torch
 
         from pipeline.compile.decoder import Decode, Prefill
 
         b, s, dev = spec.batch, spec.seq, self.device
-        full = torch.full((b,), s, dtype=torch.long, device=dev)
-        zeros = torch.zeros((b,), dtype=torch.long, device=dev)
-        prompts = torch.zeros((b, s), dtype=torch.long, device=dev)
-        yield PREFILL_FILE, Prefill, (prompts, full), None
+        # Prefill takes 1..B prompts at once: a dynamic size, traced with 2 (export
+        # specialises an example of 1), or 1 where the bucket has one row.
+        p = min(2, b)
+        prompts = {0: torch.export.Dim("prompts", min=1, max=b)} if b > 1 else None
+        rows = torch.arange(p, dtype=torch.long, device=dev)
+        for n in spec.prefill_lengths:
+            tokens = torch.zeros((p, n), dtype=torch.long, device=dev)
+            lengths = torch.full((p,), n, dtype=torch.long, device=dev)
+            inputs = (tokens, lengths, rows, k_cache, v_cache)
+            yield prefill_file(n, s), Prefill, inputs, (prompts, prompts, prompts, None, None)
         # Decode reads only the first len(key_positions) cache positions, a dynamic size
         # (at least 2: export specialises sizes 0 and 1).
         keys = torch.arange(s, device=dev)
         attended = {0: torch.export.Dim("attended", min=2, max=s)} if s > 2 else None
         tokens = torch.zeros((b, 1), dtype=torch.long, device=dev)
-        yield DECODE_FILE, Decode, (tokens, zeros, keys), (None, None, None, None, attended)
+        zeros = torch.zeros((b,), dtype=torch.long, device=dev)
+        inputs = (tokens, zeros, k_cache, v_cache, keys)
+        yield DECODE_FILE, Decode, inputs, (None, None, None, None, attended)
 
 
 class CpuBackend(AotiBackend):
@@ -290,6 +316,11 @@ def cxx_identity() -> str:
     except (OSError, subprocess.SubprocessError) as e:
         return f"{path} ({type(e).__name__})"
     return f"{path}: {(out.stdout.splitlines() or [''])[0]}"
+
+
+def _one_prompt(inputs: tuple) -> tuple:
+    """Prefill's example inputs cut to one prompt (tokens, lengths, slots; then the caches)."""
+    return (*(t[:1] for t in inputs[:3]), *inputs[3:])
 
 
 def check_loads(package: Path) -> None:

@@ -30,6 +30,8 @@ class BucketJob:
     out_dir: Path  # empty directory for this bucket's files
     shared: dict[str, Path] = field(default_factory=dict)  # files from prepare(), by name
     instance_type: str = ""  # the config's target.instance_type (neuron: the compile target)
+    # the grid's prefill lengths (``plan.buckets.prefill_lengths`` picks a bucket's)
+    prefill_lengths: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -38,6 +40,7 @@ class BucketJob:
             bucket=self.bucket.name,
             out_dir=str(self.out_dir),
             flags=list(self.flags),
+            prefill_lengths=list(self.prefill_lengths),
             shared={k: str(v) for k, v in self.shared.items()},
         )
         return d
@@ -55,6 +58,7 @@ class BucketJob:
             out_dir=Path(d["out_dir"]),
             shared={k: Path(v) for k, v in d["shared"].items()},
             instance_type=d.get("instance_type", ""),
+            prefill_lengths=tuple(d.get("prefill_lengths", ())),
         )
 
 
@@ -77,6 +81,10 @@ class Backend(ABC):
     # True: ``compile``'s outputs hold the weights (and the whole config.json), so they are
     # part of the graph key and every new checkpoint compiles again.
     graphs_depend_on_weights: bool = False
+    # True: a bucket compiles a prefill graph per prefill length (cpu/cuda); False: the
+    # backend's prefill always covers the bucket's whole length (optimum-neuron pads every
+    # prefill to the export's sequence length), so the lengths stay out of its keys.
+    prefill_per_length: bool = False
 
     def unavailable_reason(self) -> str | None:
         """None when this backend can compile here; else one line saying what is missing."""
