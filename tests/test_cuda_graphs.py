@@ -24,8 +24,13 @@ class ReplayRecorder:
 
         for _ in range(warmup):
             counted()
-        out = counted()
-        return (lambda: out.copy_(counted())), out
+        out = counted()  # a tuple of tensors: every output of the recorded step
+
+        def replay():
+            for dst, src in zip(out, counted(), strict=True):
+                dst.copy_(src)
+
+        return replay, out
 
 
 def test_static_graph_copies_inputs_in_and_reads_the_recorded_output():
@@ -161,7 +166,7 @@ def test_decode_reads_only_the_key_positions_it_is_given(demo_buckets):
 
     def decode(n: int) -> torch.Tensor:
         k, v = graphs.new_cache()
-        graphs.prefill(tokens, lengths, k, v)
+        graphs.prefill_rows(tokens, lengths, k, v)
         step = torch.tensor([[11], [12]])
         return graphs.decode(step, lengths, k, v, torch.arange(n))[0]
 
@@ -222,3 +227,35 @@ def test_cuda_graph_decode_equals_non_graph_decode(compiled_cuda_release):
         step = torch.full((bucket.batch, 1), 7 + k)
         want = a.decode(step, lengths + k).clone()
         torch.testing.assert_close(b.decode(step, lengths + k), want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_slots_join_leave_and_skip_steps_each_equal_alone(demo_buckets, recorded):
+    """The slot calls serve uses, recorded as a CUDA graph would be or eager: requests
+    prefilled together and alone (the 32- and 64-token prefill graphs), stepped together and
+    one at a time while the other waits, freed and replaced; every row's tokens equal its
+    prompt generated alone in a bucket of its own (fp32 on cpu)."""
+    from pipeline.runtime.decode_session import DecodeSession, SessionSlots
+    from pipeline.runtime.graph_abi import BucketGraphs
+
+    graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
+    alone = DecodeSession(BucketGraphs(demo_buckets / "b1_s64", weights=graphs.weights))
+    slots = SessionSlots(DecodeSession(graphs, recorder=ReplayRecorder() if recorded else None))
+    assert slots.prefill_batch == 2 and slots.prefill_positions(20) == 32
+    a, b, c = [5, 17, 42], list(range(3, 43)), [300, 2, 9, 9]  # b needs the 64 graph
+    got = {0: [], 1: []}
+    for slot, t in zip((0, 1), slots.prefill_many([0, 1], [a, b]), strict=True):
+        got[slot].append(t)
+    for i in range(6):
+        got[i % 2] += slots.step([i % 2])  # the other row waits a step
+        for slot, t in zip((0, 1), slots.step([0, 1]), strict=True):
+            got[slot].append(t)
+    assert got[0] == alone.generate([a], len(got[0]), None)[0]
+    assert got[1] == alone.generate([b], len(got[1]), None)[0]
+    slots.free(0)
+    new = [slots.prefill(0, c)]
+    for _ in range(4):
+        new.append(slots.step([0, 1])[0])
+    assert new == alone.generate([c], 5, None)[0]
+    with pytest.raises(RuntimeError, match="slots are in use"):
+        slots.session.generate([a], 2, None)  # whole-batch calls would clobber them

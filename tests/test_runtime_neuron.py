@@ -187,3 +187,231 @@ def test_a_release_exported_with_another_optimum_neuron_is_refused(
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(RuntimeMismatchError, match=r"exported with optimum-neuron 0\.4\.4"):
         BucketedModel.load(copy)
+
+
+# --- Slots: the serving engine's interface (pipeline.runtime.neuron.NeuronSlots) -------------
+
+
+def forwards(module) -> list[tuple]:
+    return [c for c in module.CALLS if c[0] == "forward"]
+
+
+@pytest.fixture
+def fake():
+    """The stand-in as a plain module (no sys.path change, nothing to undo): for exports made
+    in memory."""
+    import tests.neuron_standin.optimum.neuron as module
+
+    module.CALLS.clear()
+    return module
+
+
+def in_memory(module, batch: int = 4, seq: int = 32, on_device_sampling: bool = True):
+    """A stand-in export, no release: (model, its slots)."""
+    from pipeline.runtime.neuron import NeuronSlots
+
+    fields = {"batch_size": batch, "sequence_length": seq, "tp_degree": 2}
+    fields |= {"continuous_batching": batch > 1, "on_device_sampling": on_device_sampling}
+    model = module.NeuronModelForCausalLM("in-memory", fields, {"vocab_size": 512})
+    return model, NeuronSlots(model, Bucket(batch, seq))
+
+
+def test_slots_answer_as_generate_does_on_the_same_loaded_export(neuron_release, standin):
+    from pipeline.runtime import BucketedModel
+
+    runner = BucketedModel.load(neuron_release[1]).runner
+    bucket = Bucket(2, 32)
+    slots = runner.slots(bucket)
+    assert runner.slots(bucket) is slots and (slots.batch, slots.seq) == (2, 32)
+    prompt, n = [5, 6, 7], 10
+    got = [slots.prefill(1, prompt)] + [slots.step([1])[0] for _ in range(n - 1)]
+    slots.free(1)
+    assert got == runner.session(bucket).generate([prompt], n, None)[0]
+    assert got == expected(prompt, n, None)
+    assert loads(standin) == ["b2_s32"]  # one export serves both
+    # The prefill: one unpadded row from position 0; then one token a row, every row sorted.
+    first, *rest = forwards(standin)
+    assert first[2] == "context_encoding" and first[3]["input_ids"] == [prompt]
+    assert first[3]["position_ids"] == [[0, 1, 2]] and first[3]["seq_ids"] == [1]
+    assert [c[3]["position_ids"] for c in rest] == [[[p]] for p in range(3, 3 + n - 1)]
+    # A batch-1 export (no continuous batching) is one slot.
+    one = runner.slots(Bucket(1, 16))
+    assert [one.prefill(0, [9, 9]), *one.step([0])] == expected([9, 9], 2, None)
+
+
+@pytest.mark.parametrize("on_device_sampling", [True, False], ids=["tokens", "logits"])
+def test_interleaved_slots_each_give_their_alone_answer(fake, on_device_sampling):
+    """Requests join and leave a running batch: prefills between steps, steps of some slots in
+    any order, one-token prompts, freed slots reused. Each request's tokens are its own,
+    whether the export samples on the device or returns logits (Qwen2/3 at tp 2)."""
+    import random
+
+    _, slots = in_memory(fake, on_device_sampling=on_device_sampling)
+    rng = random.Random(7)
+    running: dict[int, tuple[list[int], list[int]]] = {}  # slot: (prompt, tokens)
+    finished = 0
+
+    def finish(slot: int) -> None:
+        nonlocal finished
+        prompt, tokens = running.pop(slot)
+        assert tokens == expected(prompt, len(tokens), None), (slot, prompt)
+        slots.free(slot)
+        finished += 1
+
+    for _ in range(400):
+        free = [s for s in range(slots.batch) if s not in running]
+        roll = rng.random()
+        if free and (roll < 0.25 or not running):
+            prompt = [rng.randrange(512) for _ in range(rng.choice([1, 1, 2, 5, 9]))]
+            slot = rng.choice(free)
+            running[slot] = (prompt, [slots.prefill(slot, prompt)])
+        elif roll < 0.35:
+            finish(rng.choice(sorted(running)))
+        else:
+            some = rng.sample(sorted(running), rng.randint(1, len(running)))
+            for slot, token in zip(some, slots.step(some), strict=True):
+                running[slot][1].append(token)
+                if len(running[slot][0]) + len(running[slot][1]) == slots.seq:
+                    finish(slot)  # full
+    for slot in sorted(running):
+        finish(slot)
+    assert finished > 50
+    routes = {c[2] for c in forwards(fake)}
+    assert routes == {"context_encoding", "token_generation"}
+    assert slots.on_device_sampling is on_device_sampling  # else the host took the argmax
+
+
+def test_every_decode_carries_every_active_slot(fake):
+    _, slots = in_memory(fake)
+    a = [slots.prefill(0, [1, 2, 3])]
+    b = [slots.prefill(2, [4, 5])]
+    b += slots.step([2])  # slot 0 fed again beside it, its answer dropped
+    last = forwards(fake)[-1][3]
+    assert last["seq_ids"] == [0, 2] and last["position_ids"] == [[3], [2]]
+    a += slots.step([0])
+    c = [slots.prefill(1, [6])]  # one token: a decode row at position 0, beside 0 and 2
+    last = forwards(fake)[-1]
+    assert last[2] == "token_generation" and last[3]["seq_ids"] == [0, 1, 2]
+    b += slots.step([2, 0])[:1]
+    assert a == expected([1, 2, 3], 2, None) and b == expected([4, 5], 3, None)
+    assert c == expected([6], 1, None)
+
+
+def test_a_wrong_position_or_a_left_out_slot_is_refused_by_the_standin(fake, monkeypatch):
+    """The stand-in catches engine mistakes: these tests fail if it answered them."""
+    from pipeline.runtime.neuron import NeuronSlots
+
+    _, slots = in_memory(fake)
+    slots.prefill(0, [1, 2, 3, 4, 5, 6])
+    right = NeuronSlots._forward
+
+    def one_ahead(self, ids, positions, seq_ids):
+        if len(ids[0]) == 1:
+            positions = [[p + 1] for (p,) in positions]
+        return right(self, ids, positions, seq_ids)
+
+    monkeypatch.setattr(NeuronSlots, "_forward", one_ahead)
+    with pytest.raises(ValueError, match=r"seq_id 0, position 7: does not continue"):
+        slots.step([0])
+    monkeypatch.setattr(NeuronSlots, "_forward", right)
+    assert slots.step([0]) == expected([1, 2, 3, 4, 5, 6], 2, None)[1:]  # state unchanged
+
+    def alone(self, rows):  # the decode without the other active slots
+        order = sorted(rows)
+        out = right(self, [[rows[s][0]] for s in order], [[rows[s][1]] for s in order], order)
+        return dict(zip(order, out, strict=True))
+
+    monkeypatch.setattr(NeuronSlots, "_decode", alone)
+    slots.prefill(1, [7, 8, 9])
+    slots.step([1])  # at position 3: the padding copies it into slot 0's line
+    with pytest.raises(ValueError, match="position 3 holds a copy of another row"):
+        slots.step([0])
+
+
+def test_the_standin_refuses_what_upstream_cannot_run(fake):
+    import torch
+
+    model, _ = in_memory(fake, batch=2, seq=8)
+    greedy = torch.ones((1, 3))
+
+    def forward(ids, pos, seq, params=greedy):
+        return model.forward(torch.tensor(ids), torch.tensor(pos), torch.tensor(seq), params)
+
+    with pytest.raises(ValueError, match=r"distinct cache lines 0\.\.1"):
+        forward([[1, 2]], [[0, 1]], [2])
+    with pytest.raises(ValueError, match="> the context length 8"):
+        forward([list(range(9))], [list(range(9))], [0])
+    with pytest.raises(ValueError, match="3 rows for an export of 2 lines"):
+        forward([[1]] * 3, [[0]] * 3, [0, 1, 1], torch.ones((3, 3)))
+    with pytest.raises(ValueError, match="position 1: does not continue"):
+        forward([[5]], [[1]], [0])  # nothing at position 0
+    with pytest.raises(ValueError, match="top_k"):
+        forward([[1, 2]], [[0, 1]], [0], torch.tensor([[0.0, 1.0, 1.0]]))
+    assert forward([[1, 2], [3, 4]], [[0, 1], [0, 1]], [1, 0], torch.ones((2, 3))).tolist() == [
+        expected([1, 2], 1, None)[0],
+        expected([3, 4], 1, None)[0],
+    ]  # two prompts at once: one graph call each upstream, as here
+
+
+def test_bad_slot_calls_raise_value_errors_and_change_nothing(fake):
+    _, slots = in_memory(fake, batch=2, seq=8)
+    first = slots.prefill(0, [1, 2, 3])
+    calls = len(forwards(fake))
+    bad = [
+        lambda: slots.prefill(2, [1]),  # no such slot
+        lambda: slots.prefill(1, []),
+        lambda: slots.prefill(1, [1] * 8),  # leaves no room for a new token
+        lambda: slots.step([1]),  # not active
+        lambda: slots.step([0, 0]),
+        lambda: slots.step([]),
+        lambda: slots.free(-1),
+    ]
+    for call in bad:
+        with pytest.raises(ValueError):
+            call()
+    assert len(forwards(fake)) == calls  # none reached the model
+    tokens = [first] + [slots.step([0])[0] for _ in range(4)]  # 3 + 5 = 8 tokens: full
+    with pytest.raises(InputError, match="holds 8 tokens"):
+        slots.step([0])
+    assert tokens == expected([1, 2, 3], 5, None)
+    slots.free(0)
+    slots.free(0)  # freeing a free slot does nothing
+    assert slots.prefill(0, [1, 2, 3]) == first
+
+
+def test_a_bucket_with_active_slots_is_never_evicted(neuron_release, standin):
+    from pipeline.errors import PipelineError
+    from pipeline.runtime import BucketedModel
+    from pipeline.runtime.neuron import bucket_costs
+
+    _, model_dir = neuron_release
+    costs = bucket_costs(BucketedModel.load(model_dir).installed)
+    b16, b32, b64, wide = Bucket(1, 16), Bucket(1, 32), Bucket(1, 64), Bucket(2, 16)
+    budget = costs[b16] + max(costs[b32], costs[wide])  # two at once, one of them b1_s16
+    assert costs[b16] + costs[b64] > budget
+    runner = BucketedModel.load(model_dir, hbm_budget=budget).runner
+    busy = runner.slots(b16)
+    busy.prefill(0, [1, 2])
+    runner.session(b32)
+    # The least recently used bucket is busy: the next one goes instead.
+    runner.session(wide)
+    assert runner.loaded == [b16, wide]
+    # No room without evicting the busy one: refused, and nothing evicted for nothing.
+    with pytest.raises(PipelineError, match=r"active slots \(b1_s16\).*retry once"):
+        runner.session(b64)
+    assert runner.loaded == [b16, wide]
+    with pytest.raises(PipelineError, match="active slots"):
+        runner.session(b16).generate([[1]], 1, None)  # would overwrite slot 0's cache
+    with pytest.raises(PipelineError, match="active slots"):
+        runner.unload(b16)
+    assert busy.step([0]) == expected([1, 2], 2, None)[1:]  # its request carried on
+    busy.free(0)
+    runner.session(b64)  # now b1_s16 may go
+    assert b16 not in runner.loaded
+    assert sorted(Path(p).name for p in standin.LIVE.values()) == sorted(
+        b.name for b in runner.loaded
+    )  # released, though the test still holds its slots
+    with pytest.raises(PipelineError, match="was unloaded"):
+        busy.prefill(0, [1])
+    again = runner.slots(b16)
+    assert again is not busy and again.prefill(0, [1, 2]) == expected([1, 2], 1, None)[0]

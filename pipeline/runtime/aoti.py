@@ -24,7 +24,7 @@ from pipeline.runtime.graph_abi import (
 from pipeline.store.manifest import Manifest
 
 if TYPE_CHECKING:
-    from pipeline.runtime.decode_session import DecodeSession
+    from pipeline.runtime.decode_session import DecodeSession, SessionSlots
 
 
 class AotiRunner:
@@ -40,6 +40,7 @@ class AotiRunner:
         self._graphs: dict[Bucket, BucketGraphs] = {}
         self._weights: dict[str, dict[str, Any]] = {}  # by blob digest: one copy per release
         self._sessions: dict[Bucket, DecodeSession] = {}
+        self._slots: dict[Bucket, SessionSlots] = {}
 
     def tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         # The cache holds the prompt and every generated token but the last.
@@ -58,6 +59,14 @@ class AotiRunner:
             graphs = self._bucket(bucket)
             self._sessions[bucket] = DecodeSession(graphs, cuda_graphs=self.cuda_graphs)
         return self._sessions[bucket]
+
+    def slots(self, bucket: Bucket) -> SessionSlots:
+        """The bucket's rows as slots (``Slots``), on the same session and caches."""
+        from pipeline.runtime.decode_session import SessionSlots
+
+        if bucket not in self._slots:
+            self._slots[bucket] = SessionSlots(self.session(bucket))
+        return self._slots[bucket]
 
     def _bucket(self, bucket: Bucket) -> BucketGraphs:
         if bucket not in self._graphs:

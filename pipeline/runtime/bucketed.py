@@ -20,7 +20,7 @@ from typing import Any
 from pipeline.errors import InputError
 from pipeline.install.installed import InstalledRelease, open_installed, reading
 from pipeline.plan.buckets import Bucket, select_bucket
-from pipeline.runtime.runners import Runner, Session, open_runner
+from pipeline.runtime.runners import Runner, Session, Slots, open_runner
 
 
 class BucketedModel:
@@ -86,6 +86,11 @@ class BucketedModel:
         """The bucket, loaded on first use."""
         with reading(self.installed, [bucket.name]):
             return self.runner.session(bucket)
+
+    def slots(self, bucket: Bucket) -> Slots:
+        """The bucket as slots, one request each (``serve``'s engine drives these)."""
+        with reading(self.installed, [bucket.name]):
+            return self.runner.slots(bucket)
 
     def tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         """The sequence length a bucket must have for this request (the runner decides:

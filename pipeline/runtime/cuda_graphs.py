@@ -30,12 +30,12 @@ WARMUP_CALLS = 2
 
 
 class Recorder(Protocol):
-    def __call__(self, fn: Callable[[], Tensor], warmup: int) -> tuple[Callable[[], Any], Tensor]:
+    def __call__(self, fn: Callable[[], Any], warmup: int) -> tuple[Callable[[], Any], Any]:
         """Run ``fn`` ``warmup`` times, record it once; return (replay, recorded output)."""
         ...
 
 
-def cuda_recorder(fn: Callable[[], Tensor], warmup: int) -> tuple[Callable[[], Any], Tensor]:
+def cuda_recorder(fn: Callable[[], Any], warmup: int) -> tuple[Callable[[], Any], Any]:
     """torch.cuda.CUDAGraph capture, with warmup on a side stream as PyTorch requires."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -72,7 +72,9 @@ class StaticGraph:
         )
         self.fixed = tuple(fixed)  # referenced, so the captured addresses stay valid
         record = recorder or cuda_recorder
-        self._replay, self.output = record(lambda: _first(fn(*self.inputs, *self.fixed)), warmup)
+        self._replay, out = record(lambda: _as_tuple(fn(*self.inputs, *self.fixed)), warmup)
+        self.outputs: tuple[Tensor, ...] = out  # every output fn returned, as captured
+        self.output = out[0]
 
     def __call__(self, *values: Tensor) -> Tensor:
         """Copy ``values`` into the static inputs, replay, return the static output.
@@ -100,5 +102,5 @@ class StaticGraph:
         self._replay()
 
 
-def _first(out: Any) -> Tensor:
-    return out[0] if isinstance(out, (list, tuple)) else out
+def _as_tuple(out: Any) -> tuple[Tensor, ...]:
+    return tuple(out) if isinstance(out, (list, tuple)) else (out,)

@@ -1,28 +1,35 @@
-"""One compiled bucket ready to serve: its graphs, its own KV caches, and greedy decoding.
+"""One compiled bucket ready to serve: its graphs, its own KV caches, greedy decoding, and
+its rows as slots.
 
     session = DecodeSession(BucketGraphs(bucket_dir))
-    session.generate([[1, 2, 3]], max_new_tokens=16)
+    session.generate([[1, 2, 3]], max_new_tokens=16)      # a whole batch, to the end
+    first = session.prefill_slot(0, [1, 2, 3])            # or: one request per slot (serve)
+    session.step([0])                                     # one token for each given slot
 
 A greedy step is the decode graph (which also returns the argmax) plus three small updates
-that feed it its own output: the next token becomes the input, positions advance by one, and
-the token is written at its position into ``generated``, a [B, S+1] buffer of the session. So
+that feed it its own output: the next token becomes the input, the positions of the rows in
+use advance by one (``live``: the others stay at 0, inside their own free rows), and the
+token is written at its position into ``generated``, a [B, S+1] buffer of the session. So
 generating N tokens is N calls of one step with no host work in between.
 
 A step attends only the first S' cache positions, S' the shortest of ``spec.key_tiers`` that
-holds every position so far (the host knows it: the longest prompt plus the steps taken), so
-decode in a long bucket costs what the filled length costs.
+holds every position in use (the host knows it), so decode in a long bucket costs what the
+filled length costs.
 
 On cuda that step is recorded as a CUDA graph (``pipeline.runtime.cuda_graphs``), one per
 tier, all on the same input tensors, when the session is made: the caches are allocated here
 and captured by address before any prefill has filled them, so the capture's warmup calls can
-only overwrite zeros. Each token is then one replay, with no copy in or out; crossing a tier
-switches graphs, also with no copy. Prefill stays an ordinary call (compute-bound, once per
-request). CPU sessions run the same step eagerly.
+only overwrite zeros. Each token is then one replay; crossing a tier switches graphs with no
+copy. Prefill stays an ordinary call (compute-bound, once per request). CPU sessions run the
+same step eagerly.
 
-The loop syncs with the host only every ``EOS_CHECK_EVERY`` steps to see whether every row
-has stopped, so the host queues replays ahead of the GPU instead of waiting on each token.
-Rows keep running after their EOS; their extra tokens are cut off afterwards, so the result
-equals stopping at once.
+``generate`` syncs with the host only every ``EOS_CHECK_EVERY`` steps to see whether every
+row has stopped, so the host queues replays ahead of the GPU instead of waiting on each
+token. Rows keep running after their EOS; their extra tokens are cut off afterwards, so the
+result equals stopping at once. The slot calls (``prefill_slot``, ``step``, ``free``: the
+``Slots`` interface of ``pipeline.runtime.runners``) read each step's tokens back, since the
+server decides after every step which rows go on; the device's inputs are reloaded from the
+host only when the rows in use changed.
 """
 
 from __future__ import annotations
@@ -61,25 +68,36 @@ class DecodeSession:
         # generated[r, p]: the token this session produced for position p of row r (p = S
         # too: the last token of a full bucket needs no cache slot, only a place here)
         self.generated = torch.zeros((b, s + 1), dtype=torch.int64, device=dev)
+        self.live = torch.zeros((b,), dtype=torch.int64, device=dev)  # 1: the row is in use
         self.tiers = tiers or self.spec.key_tiers
         if self.tiers[-1] != s or list(self.tiers) != sorted(set(self.tiers)):
             raise ValueError(f"tiers {self.tiers} must rise to the bucket length {s}")
         self._keys = {n: torch.arange(n, device=dev) for n in self.tiers}
         self._steps: dict[int, StaticGraph] = {}
+        # The step's own input tensors (tokens [B, 1], positions [B]): the graphs' when
+        # recorded, else plain tensors the eager step updates the same way.
+        self._inputs: tuple[Tensor, Tensor] = (
+            torch.zeros((b, 1), dtype=torch.int64, device=dev),
+            torch.zeros((b,), dtype=torch.int64, device=dev),
+        )
         if recorder is not None or (cuda_graphs and self.device.type == "cuda"):
             if recorder is None and not graphs.single_threaded:
                 raise ValueError(
                     "CUDA graphs need packages loaded with BucketGraphs(..., single_threaded=True)"
                 )
-            like = (
-                torch.zeros((b, 1), dtype=torch.int64, device=dev),
-                torch.zeros((b,), dtype=torch.int64, device=dev),
-            )
             inputs = None
             for n in self.tiers:
-                fixed = (self.k_cache, self.v_cache, self.generated, self._keys[n])
-                step = StaticGraph(self._greedy_step, like, fixed, recorder=recorder, inputs=inputs)
+                fixed = (self.k_cache, self.v_cache, self.generated, self.live, self._keys[n])
+                step = StaticGraph(
+                    self._greedy_step, self._inputs, fixed, recorder=recorder, inputs=inputs
+                )
                 self._steps[n], inputs = step, step.inputs
+            self._inputs = inputs  # type: ignore[assignment]
+        # Slots, on the host: the next position and last token of each row in use (None:
+        # free), and whether the device's step inputs already hold them for ``_synced``.
+        self._next: list[int | None] = [None] * b
+        self._last: list[int] = [0] * b
+        self._synced: tuple[int, ...] | None = None
 
     @property
     def batch(self) -> int:
@@ -97,20 +115,100 @@ class DecodeSession:
         """The shortest tier that holds ``attended`` cache positions."""
         return next((n for n in self.tiers if n >= attended), self.tiers[-1])
 
+    # --- slots: one request per row, joining and leaving between steps --------------------
+
+    def prefill_slot(self, slot: int, prompt: Sequence[int]) -> int:
+        """Fill row ``slot`` with ``prompt`` (its other rows untouched); the first new token."""
+        return self.prefill_slots([slot], [prompt])[0]
+
+    def prefill_slots(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """Fill each of ``slots`` with its prompt, in one prefill call (at most
+        ``spec.prefill_batch`` prompts): the first new token of each."""
+        _, nxt = self.graphs.prefill(slots, [list(p) for p in prompts], self.k_cache, self.v_cache)
+        tokens = nxt.tolist()
+        for slot, p, token in zip(slots, prompts, tokens, strict=True):
+            self._next[slot], self._last[slot] = len(p), token
+        self._synced = None
+        return tokens
+
+    # ``Slots`` names it ``prefill``; the batch ``prefill`` below (parity's) keeps its name.
+    def step(self, slots: Sequence[int]) -> list[int]:
+        """One greedy step for each of ``slots``: the next token of each, in order."""
+        b, s = self.spec.batch, self.spec.seq
+        order = tuple(slots)
+        if not order or len(set(order)) != len(order):
+            raise ValueError(f"step needs distinct slots in use, got {list(order)}")
+        for r in order:
+            pos = self._next[r] if 0 <= r < b else None
+            if pos is None or pos >= s:
+                raise ValueError(
+                    f"slot {r} cannot step: "
+                    + ("it is not in use" if pos is None else f"its {s} positions are full")
+                )
+        rows = tuple(sorted(order))
+        # Rows in use but not asked for are fed their pending token at their pending
+        # position again, without advancing (live 0): the step rewrites the cache entry their
+        # next step would write, with the same values, instead of clobbering position 0. A
+        # full row can never step again, so it is left out (its cache is read no more).
+        held = [r for r in self.slots_in_use if r not in rows and self._next[r] < s]
+        attended = max(self._next[r] for r in (*order, *held)) + 1  # type: ignore[operator]
+        if self._synced != rows:  # rows joined or left since the last step: reload inputs
+            use = set(rows)
+            live = [int(r in use) for r in range(b)]
+            fed = use | set(held)
+            tokens = [self._last[r] if r in fed else 0 for r in range(b)]
+            positions = [self._next[r] if r in fed else 0 for r in range(b)]
+            self.live.copy_(torch.tensor(live))
+            self._inputs[0].copy_(torch.tensor(tokens)[:, None])
+            self._inputs[1].copy_(torch.tensor(positions))
+        n = self.tier(attended)
+        if self._steps:
+            self._steps[n].replay()
+            nxt = self._steps[n].outputs[0]
+        else:
+            nxt = self._greedy_step(*self._inputs, *self._fixed(n))[0]
+        out = nxt.tolist()  # the host sync: the server decides after each step
+        # held rows' inputs now hold their own output, not their pending token: reload next time
+        self._synced = None if held else rows
+        for r in rows:
+            self._next[r] += 1  # type: ignore[operator]
+            self._last[r] = out[r]
+        return [out[r] for r in order]
+
+    def free(self, slot: int) -> None:
+        """Row ``slot`` is no longer in use: its cache may be refilled by any prefill."""
+        if self._next[slot] is not None:
+            self._next[slot] = None
+            self._synced = None
+
+    @property
+    def slots_in_use(self) -> list[int]:
+        return [r for r, pos in enumerate(self._next) if pos is not None]
+
+    # --- whole batches: parity, BucketedModel.generate, benchmarks --------------------------
+
     def prefill(self, tokens: Tensor, lengths: Tensor) -> Tensor:
-        """tokens [B, S], lengths [B] → fp32 logits [B, V] of each row's last real token."""
-        return self._prefill(tokens, lengths)[0]
+        """tokens [B', S], lengths [B'] → fp32 logits [B', V] of each row's last real token;
+        row r fills slot r."""
+        self._mark_batch()
+        tokens, lengths = _on(self.device, tokens, lengths)
+        logits, nxt = self.graphs.prefill_rows(tokens, lengths, self.k_cache, self.v_cache)
+        rows = torch.arange(len(lengths), device=self.device)
+        self.generated[rows, lengths] = nxt
+        return logits
 
     def decode(self, tokens: Tensor, positions: Tensor, attended: int | None = None) -> Tensor:
-        """tokens [B, 1] at positions [B] → fp32 logits [B, V].
+        """tokens [B, 1] at positions [B] → fp32 logits [B, V] (every row stepped).
 
         ``attended``: a bound on max(positions) + 1 when the caller knows one (else it is
         read from ``positions``, a host sync on cuda). With CUDA graphs the result is the
         graph's output buffer, overwritten by the next decode: clone it to keep it."""
         n = self.tier(attended if attended is not None else int(positions.max()) + 1)
         tokens, positions = _on(self.device, tokens, positions)
+        self._mark_batch()
         if self._steps:
-            return self._steps[n](tokens, positions)
+            self._steps[n](tokens, positions)
+            return self._steps[n].outputs[1]
         return self.graphs.decode(tokens, positions, self.k_cache, self.v_cache, self._keys[n])[0]
 
     def generate(
@@ -129,20 +227,21 @@ class DecodeSession:
         same as before (on cuda, a sync every ``EOS_CHECK_EVERY`` steps).
         """
         self._check(prompts, max_new_tokens)
-        n, b, s = len(prompts), self.spec.batch, self.spec.seq
+        n = len(prompts)
         longest = max(len(p) for p in prompts)
-        tokens = torch.zeros((b, s), dtype=torch.int64)
-        lengths = torch.ones(b, dtype=torch.int64)  # unused rows: one pad token
+        self._mark_batch()
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        tokens = torch.zeros((n, max(lengths.tolist())), dtype=torch.int64)
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
-            lengths[row] = len(p)
-        _, first = self._prefill(tokens, lengths)
         lengths = lengths.to(self.device)
-        self.generated.scatter_(1, lengths[:, None], first[:, None])
-        step = self._advance(first[:, None], lengths)
+        _, first = self.graphs.prefill_rows(tokens, lengths, self.k_cache, self.v_cache)
+        self.generated[torch.arange(n, device=self.device), lengths] = first
+        self._load(first[:, None], lengths, n)
+        step = self._advance()
         check_every = EOS_CHECK_EVERY.get(self.device.type, 8)
         done = 1  # tokens generated so far, per row
-        stop = on_tokens is not None and bool(on_tokens(first[:n].tolist()))
+        stop = on_tokens is not None and bool(on_tokens(first.tolist()))
         while done < max_new_tokens and not stop:
             check = eos_token_id is not None and done % check_every == 0
             if check and self._all_stopped(lengths, done, n, eos_token_id):
@@ -152,13 +251,10 @@ class DecodeSession:
             if on_tokens is not None:
                 stop = bool(on_tokens(self._column(lengths, done, n)))
         rows = self.generated[:n].tolist()
-        starts = lengths[:n].tolist()
+        starts = lengths.tolist()
         return [_until(r[p : p + done], eos_token_id) for r, p in zip(rows, starts, strict=True)]
 
-    def _prefill(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
-        tokens, lengths = _on(self.device, tokens, lengths)
-        logits, nxt = self.graphs.prefill(tokens, lengths, self.k_cache, self.v_cache)
-        return logits, nxt  # (fp32 [B, V], int64 [B])
+    # --- the step and its state ---------------------------------------------------------------
 
     def _greedy_step(
         self,
@@ -167,26 +263,44 @@ class DecodeSession:
         k: Tensor,
         v: Tensor,
         generated: Tensor,
+        live: Tensor,
         keys: Tensor,
-    ) -> Tensor:
-        """Decode ``tokens`` at ``positions``, then feed the result back in, in place."""
+    ) -> tuple[Tensor, Tensor]:
+        """Decode ``tokens`` at ``positions``, then feed the result back in, in place:
+        (next tokens [B], logits [B, V])."""
         logits, nxt = self.graphs.decode(tokens, positions, k, v, keys)
         # The token is for the next position; clamped so a step past the end (which
-        # generate never takes) cannot index out of bounds inside a CUDA graph.
+        # callers never take) cannot index out of bounds inside a CUDA graph.
         where = (positions + 1).clamp(max=self.spec.seq)
         generated.scatter_(1, where[:, None], nxt[:, None])
         tokens.copy_(nxt[:, None])
-        positions.add_(1)
-        return logits
+        positions.add_(live)  # rows not in use stay where they are, inside their own row
+        return nxt, logits
 
-    def _advance(self, tokens: Tensor, positions: Tensor) -> Callable[[int], Any]:
-        """A call that runs one greedy step from ``tokens`` at ``positions`` onward, given
-        how many cache positions it attends."""
+    def _fixed(self, n: int) -> tuple[Tensor, ...]:
+        return (self.k_cache, self.v_cache, self.generated, self.live, self._keys[n])
+
+    def _load(self, tokens: Tensor, positions: Tensor, rows: int) -> None:
+        """The step's inputs for a batch in rows 0..rows-1 (the rest not in use)."""
+        b = self.spec.batch
+        self.live.copy_((torch.arange(b) < rows).to(torch.int64))
+        self._inputs[0].zero_()
+        self._inputs[1].zero_()
+        self._inputs[0][:rows].copy_(tokens)
+        self._inputs[1][:rows].copy_(positions)
+
+    def _advance(self) -> Callable[[int], Any]:
+        """A call that runs one greedy step from the loaded inputs, given how many cache
+        positions it attends."""
         if self._steps:
-            self._steps[self.tiers[0]].load(tokens, positions)  # every tier's inputs
             return lambda attended: self._steps[self.tier(attended)].replay()
-        state = (tokens.clone(), positions.clone(), self.k_cache, self.v_cache, self.generated)
-        return lambda attended: self._greedy_step(*state, self._keys[self.tier(attended)])
+        return lambda attended: self._greedy_step(*self._inputs, *self._fixed(self.tier(attended)))
+
+    def _mark_batch(self) -> None:
+        """Whole-batch calls take every row: no slot survives them."""
+        if any(pos is not None for pos in self._next):
+            raise RuntimeError("this bucket's slots are in use: free them before a batch call")
+        self._synced = None
 
     def _column(self, lengths: Tensor, done: int, n: int) -> list[int]:
         """The token each of the first ``n`` rows produced at its step ``done``."""
@@ -207,6 +321,43 @@ class DecodeSession:
                 f"prompts of 1..{self.spec.seq} tokens plus {max_new_tokens} new tokens must "
                 f"fit {self.spec.seq} cache positions (longest prompt: {longest})"
             )
+
+
+class SessionSlots:
+    """A ``DecodeSession`` under the ``Slots`` interface (``pipeline.runtime.runners``)."""
+
+    def __init__(self, session: DecodeSession) -> None:
+        self.session = session
+        self.batch = session.batch
+        self.seq = session.seq
+
+    @property
+    def prefill_lengths(self) -> tuple[int, ...]:
+        """The prompt lengths this bucket has prefill graphs for."""
+        return self.session.spec.prefill_lengths
+
+    @property
+    def prefill_batch(self) -> int:
+        """Prompts one ``prefill_many`` call takes."""
+        return self.session.spec.prefill_batch
+
+    def prefill(self, slot: int, prompt: Sequence[int]) -> int:
+        return self.session.prefill_slot(slot, prompt)
+
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        """Several requests in one prefill call (at most ``prefill_batch``): the engine groups
+        the requests it admits together by prefill length."""
+        return self.session.prefill_slots(slots, prompts)
+
+    def step(self, slots: Sequence[int]) -> list[int]:
+        return self.session.step(slots)
+
+    def free(self, slot: int) -> None:
+        self.session.free(slot)
+
+    def prefill_positions(self, prompt: int) -> int:
+        """Positions a prefill of ``prompt`` tokens computes: its prefill graph's length."""
+        return self.session.spec.prefill_length(prompt)
 
 
 def _until(row: list[int], eos: int | None) -> list[int]:

@@ -36,8 +36,44 @@ class Session(Protocol):
         ...
 
 
+class Slots(Protocol):
+    """One loaded bucket as ``batch`` independent KV-cache slots of ``seq`` positions each: the
+    interface the serving engine drives (``pipeline.server.engine``), the same on every
+    backend. A request owns one slot from its prefill until it is freed; rows of other
+    slots are unaffected by it, so a request joins and leaves a running bucket between steps.
+
+    Greedy. Calls are not re-entrant (one model thread drives them)."""
+
+    batch: int
+    seq: int
+
+    def prefill(self, slot: int, prompt: Sequence[int]) -> int:
+        """Fill ``slot``'s cache with ``prompt`` (from position 0, replacing what was there)
+        and return the first new token. The slot is then active: ``step`` may advance it."""
+        ...
+
+    def step(self, slots: Sequence[int]) -> list[int]:
+        """One decode step for each of ``slots`` (active, distinct): feed each slot the token
+        it produced last, at its next position; return the next token of each, in order."""
+        ...
+
+    def free(self, slot: int) -> None:
+        """The slot's request is done; the slot may be prefilled again."""
+        ...
+
+    # Optional, looked up by the engine where a backend has them (cpu/cuda's SessionSlots):
+    #   prefill_many(slots, prompts) -> first tokens: several prompts in one call, at most
+    #       ``prefill_batch`` of them (the engine groups them by prefill length);
+    #   prefill_positions(n) -> positions a prefill of n tokens computes (default: seq);
+    #   prefill_lengths: the prompt lengths it has prefill graphs for (warm-up runs each).
+
+
 class Runner(Protocol):
     device: str
+
+    def slots(self, bucket: Bucket) -> Slots:
+        """The bucket's slot engine (loaded on first use; the same object every call)."""
+        ...
 
     def session(self, bucket: Bucket) -> Session:
         """The bucket, loaded on first use."""
