@@ -24,11 +24,19 @@ class ServerProcess:
     Always stopped: ``stop()`` sends SIGTERM, then SIGKILL after a deadline; use as a
     context manager."""
 
-    def __init__(self, release: Path, log: Path, *args: str) -> None:
+    def __init__(
+        self, release: Path, log: Path, *args: str, step_delay_s: float | None = None
+    ) -> None:
+        """``step_delay_s``: every decode step of the server sleeps this long first
+        (tests/serve_slow.py), so tests can act while requests are running."""
         self.log = log
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONPATH=path, CI="true")
-        cmd = [sys.executable, "-c", "from pipeline.cli import main; main()", "serve"]
+        main = "from pipeline.cli import main; main()"
+        if step_delay_s is not None:
+            env["INF2_TEST_STEP_DELAY_S"] = str(step_delay_s)
+            main = "import tests.serve_slow; " + main
+        cmd = [sys.executable, "-c", main, "serve"]
         cmd += [str(release), "--port", "0", *args]
         # A file, not a pipe: a full pipe would block the server. Closed in stop().
         self._log = open(log, "wb")  # noqa: SIM115

@@ -31,10 +31,22 @@ def release(installed):
 
 @pytest.fixture(scope="module")
 def server(release, tmp_path_factory):
-    """One server for the module: 50 ms of batching wait, so concurrent requests share a
-    batch."""
+    """One server for the module, as `serve` runs by default."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with ServerProcess(release, log, "--max-wait-ms", "50") as s:
+    with ServerProcess(release, log) as s:
+        s.wait_ready()
+        yield s
+
+
+STEP_DELAY_S = 0.03  # the slow server's pause before every decode step
+
+
+@pytest.fixture(scope="module")
+def slow_server(release, tmp_path_factory):
+    """A server whose every decode step takes 30 ms more: requests run long enough for a
+    test to join, read and leave while they provably run, on any machine."""
+    log = tmp_path_factory.mktemp("serve-slow") / "serve.log"
+    with ServerProcess(release, log, step_delay_s=STEP_DELAY_S) as s:
         s.wait_ready()
         yield s
 
@@ -134,9 +146,9 @@ def test_stop_strings(client, stream):
     assert reason == "stop"
 
 
-def test_concurrent_requests_are_batched_and_answers_unchanged(server, reference):
-    """Requests sent together share batches (bucket b2_*), and each answer is exactly what
-    the model gives for that prompt alone (fp32 on cpu)."""
+def test_concurrent_requests_answers_unchanged(server, reference):
+    """Requests sent together, of mixed lengths, each prefilled into a slot of its own: each
+    answer is exactly what the model gives for that prompt alone (fp32 on cpu)."""
     before = get(server.url + "/metrics")[1]
     cases = [
         ([1 + (7 * i) % 300 for _ in range(1 + i % 5)] + [3 + i], 4 + 3 * (i % 6))
@@ -156,12 +168,10 @@ def test_concurrent_requests_are_batched_and_answers_unchanged(server, reference
         assert got == reference(prompt, n), (prompt, n)
         c.close()
     after = get(server.url + "/metrics")[1]
-    batched = sum(
-        metric(after, "inf2_serve_batch_rows_total", bucket=b)
-        - metric(before, "inf2_serve_batch_rows_total", bucket=b)
-        for b in ("b2_s32", "b2_s64")
-    )
-    assert batched >= 2, after
+    assert metric(after, "inf2_serve_prefills_total") - metric(
+        before, "inf2_serve_prefills_total"
+    ) == len(cases)
+    assert metric(after, "inf2_serve_slots", state="busy") == 0
 
 
 def test_too_long_and_unsupported_parameters_are_400(server, client):
@@ -191,6 +201,8 @@ def test_too_long_and_unsupported_parameters_are_400(server, client):
 
 
 def test_metrics_counters_move(server, client):
+    """One request of 4 prompt tokens and 5 answer tokens, alone: it goes to b1_s32 (the
+    least padding, the smallest idle batch), one prefill of the 32-token graph, 4 steps."""
     before = get(server.url + "/metrics")[1]
     r = client.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=5)
     after = get(server.url + "/metrics")[1]
@@ -198,26 +210,23 @@ def test_metrics_counters_move(server, client):
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
 
+    assert r.usage.completion_tokens == 5
     assert delta("inf2_serve_requests_total", outcome="ok") == 1
     assert delta("inf2_serve_prompt_tokens_total") == 4
-    assert delta("inf2_serve_completion_tokens_total") == r.usage.completion_tokens
-    assert delta("inf2_serve_batches_total", bucket="b1_s32") >= 1
-    real = delta("inf2_serve_bucket_tokens_total", bucket="b1_s32", kind="real")
-    padding = delta("inf2_serve_bucket_tokens_total", bucket="b1_s32", kind="padding")
-    assert real >= 4 and real + padding == 32 * delta("inf2_serve_batches_total", bucket="b1_s32")
-    # A whole answer arrives at once: no first-token time to observe, only its duration.
-    assert delta("inf2_serve_request_duration_seconds_count") == 1
-    assert delta("inf2_serve_time_to_first_token_seconds_count") == 0
-    streamed = get(server.url + "/metrics")[1]
-    list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=5, stream=True))
-    now = get(server.url + "/metrics")[1]
-    ttft = "inf2_serve_time_to_first_token_seconds"
-    assert metric(now, f"{ttft}_count") - metric(streamed, f"{ttft}_count") == 1
-    first = metric(now, f"{ttft}_sum") - metric(streamed, f"{ttft}_sum")
-    whole = metric(now, "inf2_serve_request_duration_seconds_sum") - metric(
-        streamed, "inf2_serve_request_duration_seconds_sum"
-    )
-    assert 0 < first < whole  # the first token came before the last
+    assert delta("inf2_serve_completion_tokens_total") == 5
+    assert delta("inf2_serve_prefills_total", bucket="b1_s32") == 1
+    assert delta("inf2_serve_steps_total", bucket="b1_s32") == 4
+    positions = "inf2_serve_positions_total"
+    assert delta(positions, bucket="b1_s32", phase="prefill", kind="real") == 4
+    assert delta(positions, bucket="b1_s32", phase="prefill", kind="padding") == 28
+    assert delta(positions, bucket="b1_s32", phase="decode", kind="real") == 4
+    assert delta(positions, bucket="b1_s32", phase="decode", kind="padding") == 0
+    for h in ("time_to_first_token", "queue_time", "request_duration"):
+        assert delta(f"inf2_serve_{h}_seconds_count") == 1, h
+    assert delta("inf2_serve_inter_token_latency_seconds_count") == 4
+    ttft = delta("inf2_serve_time_to_first_token_seconds_sum")
+    assert 0 < ttft < delta("inf2_serve_request_duration_seconds_sum")
+    assert metric(after, "inf2_serve_slots", bucket="b2_s64", state="free") == 2
     assert metric(after, "inf2_serve_queue_depth") == 0
     assert metric(after, "inf2_serve_ready") == 1
 
@@ -237,11 +246,23 @@ def _wait_for_one_disconnect(server, before: str) -> str:
     pytest.fail(f"the disconnect was not seen:\n{now}")
 
 
-def test_client_disconnect_frees_its_slot(server, client):
-    """A client that leaves while its request waits to be batched: the request leaves the
-    queue (50 ms of batching wait here) and is counted, and nothing stays in flight."""
-    before = get(server.url + "/metrics")[1]
-    host = urlparse(server.url)
+def _busy(server) -> float:
+    return metric(get(server.url + "/metrics")[1], "inf2_serve_slots", state="busy")
+
+
+def _until(what, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_client_disconnect_frees_its_slot(slow_server, client):
+    """A whole-answer client that leaves while its 60 tokens run (1.8 s of steps at least):
+    the request is counted as disconnected and its slot is free long before it would have
+    ended; the server goes on answering."""
+    before = get(slow_server.url + "/metrics")[1]
+    host = urlparse(slow_server.url)
     body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 60}).encode()
     with socket.create_connection((host.hostname, host.port)) as s:
         s.sendall(
@@ -249,34 +270,92 @@ def test_client_disconnect_frees_its_slot(server, client):
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-    now = _wait_for_one_disconnect(server, before)
+        _until(lambda: _busy(slow_server) == 1)
+    start = time.monotonic()
+    now = _wait_for_one_disconnect(slow_server, before)
+    _until(lambda: _busy(slow_server) == 0)
+    assert time.monotonic() - start < 60 * STEP_DELAY_S  # freed, not run to its end
     assert metric(now, "inf2_serve_queue_depth") == 0
-    # the slot is free: the server still answers
     assert client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3).choices
 
 
-def test_streaming_client_that_leaves_frees_its_row(server, client):
-    """A streaming client that closes after the response headers (63 tokens to go): its row
-    is marked finished, the request is counted as disconnected, nothing stays in flight."""
-    before = get(server.url + "/metrics")[1]
-    host = urlparse(server.url)
-    body = json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 63, "stream": True})
-    with socket.create_connection((host.hostname, host.port)) as s:
-        s.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+def test_streaming_client_that_leaves_frees_its_slot_for_the_next(slow_server, reference):
+    """A streaming client that leaves after its first tokens (60 to go): its slot is freed
+    within an iteration and a new request takes it; the next answer is still exact."""
+    slow = openai.OpenAI(base_url=slow_server.url + "/v1", api_key="unused", max_retries=0)
+    before = get(slow_server.url + "/metrics")[1]
+    stream = slow.completions.create(model=MODEL, prompt=[1, 2], max_tokens=60, stream=True)
+    got = [next(iter(stream)) for _ in range(2)]
+    assert all(c.choices for c in got)
+    stream.close()
+    _wait_for_one_disconnect(slow_server, before)
+    _until(lambda: _busy(slow_server) == 0)
+    r = slow.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=6)
+    assert ids(r.choices[0]) == reference([5, 6, 7], 6)
+
+
+def test_a_short_request_finishes_while_a_long_one_streams(slow_server, reference):
+    """No head-of-line blocking: a 2-token request sent while a 50-token answer streams
+    (in the same bucket length) is answered before the long one ends, and both are exact."""
+    slow = openai.OpenAI(base_url=slow_server.url + "/v1", api_key="unused", max_retries=0)
+    long_prompt = [9, 8, 7, 6]
+    stream = slow.completions.create(model=MODEL, prompt=long_prompt, max_tokens=50, stream=True)
+    chunks = iter(stream)
+    tokens = list(ids(next(chunks).choices[0]))  # the long one runs
+    short = slow.completions.create(model=MODEL, prompt=[3, 4], max_tokens=2)
+    short_done = time.monotonic()
+    assert ids(short.choices[0]) == reference([3, 4], 2)
+    for c in chunks:
+        if c.choices:
+            tokens += ids(c.choices[0])
+    long_done = time.monotonic()
+    assert tokens == reference(long_prompt, 50)
+    assert long_done - short_done > 10 * STEP_DELAY_S  # the long one had many steps to go
+
+
+def test_staggered_mixed_requests_with_leavers_each_equal_alone(slow_server, reference):
+    """Requests of mixed lengths arrive while others run, finish at different steps, and
+    some clients leave mid-stream: every answer that is read equals its prompt alone."""
+    host = urlparse(slow_server.url)
+    cases = [([11 + i, 3, 5 + 2 * i][: 1 + i % 3], 3 + 5 * (i % 4)) for i in range(8)]
+    leavers = {2, 5}
+
+    def run(i: int) -> list[int] | None:
+        time.sleep(0.05 * i)  # staggered: each arrives while earlier ones run
+        prompt, n = cases[i]
+        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=120)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "stream": True}
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
         )
-        assert s.recv(12) == b"HTTP/1.1 200"
-    _wait_for_one_disconnect(server, before)
-    assert client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=3).choices
+        r = conn.getresponse()
+        assert r.status == 200
+        got: list[int] = []
+        for line in r:
+            if i in leavers and got:
+                conn.close()  # leaves after its first tokens
+                return None
+            if line.startswith(b"data: {"):
+                choices = json.loads(line[6:])["choices"]
+                got += choices[0]["token_ids"] if choices else []
+        conn.close()
+        return got
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(run, range(len(cases))))
+    for i, (prompt, n) in enumerate(cases):
+        if i not in leavers:
+            assert answers[i] == reference(prompt, n), (i, prompt, n)
+    _until(lambda: _busy(slow_server) == 0)
 
 
 def test_lifecycle_readiness_full_queue_and_sigterm_drain(release, reference, tmp_path):
-    """A fresh server with one queue slot and a long batching wait: /health before /ready;
-    a burst gets 503 + Retry-After for all but the one queued request; SIGTERM runs that
-    request at once to its full answer, refuses new connections, and exits 0."""
+    """A fresh slow server with one queue place: /health before /ready; with every slot
+    of the s64 buckets taken, a burst gets 503 + Retry-After for all but the one queued
+    request; SIGTERM refuses new connections, finishes the running and the queued
+    requests to their full answers, and exits 0."""
     with ServerProcess(
-        release, tmp_path / "serve.log", "--max-queue", "1", "--max-wait-ms", "60000"
+        release, tmp_path / "serve.log", "--max-queue", "1", step_delay_s=STEP_DELAY_S
     ) as s:
         url = s.wait_listening()
         deadline = time.monotonic() + 120
@@ -289,34 +368,40 @@ def test_lifecycle_readiness_full_queue_and_sigterm_drain(release, reference, tm
         assert status == 503 and headers.get("Retry-After")
         s.wait_ready()
 
+        # need 3 + 40 - 1 = 42 positions: only the s64 buckets hold it, 3 slots in all
         host = urlparse(url)
-        prompts = [[1, 40 + i, 7] for i in range(6)]
-        conns = [http.client.HTTPConnection(host.hostname, host.port, timeout=120) for _ in prompts]
-        for c in conns:
-            c.connect()
-        for c, p in zip(conns, prompts, strict=True):  # a burst: all sent before any answer
-            body = json.dumps({"model": MODEL, "prompt": p, "max_tokens": 20})
+        prompts = [[1, 40 + i, 7] for i in range(7)]
+
+        def send(p: list[int]) -> http.client.HTTPConnection:
+            c = http.client.HTTPConnection(host.hostname, host.port, timeout=120)
+            body = json.dumps({"model": MODEL, "prompt": p, "max_tokens": 40})
             c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            return c
+
+        running = []
+        for p in prompts[:3]:
+            running.append(send(p))
+            n = len(running)
+            _until(
+                lambda n=n: metric(get(url + "/metrics")[1], "inf2_serve_slots", state="busy") == n
+            )
+        burst = [send(p) for p in prompts[3:]]
 
         def answer(c: http.client.HTTPConnection) -> tuple[int, str | None, dict]:
             r = c.getresponse()
             return r.status, r.getheader("Retry-After"), json.loads(r.read())
 
-        with ThreadPoolExecutor(len(conns)) as pool:
-            futures = [pool.submit(answer, c) for c in conns]
-            deadline = time.monotonic() + 60
-            while sum(f.done() for f in futures) < 5:  # the 503s come at once
-                assert time.monotonic() < deadline, s.output()
-                time.sleep(0.01)
-            # the one admitted request still waits in the queue (60 s for a partner)
-            (admitted,) = [i for i, f in enumerate(futures) if not f.done()]
-            rejected = [f.result() for f in futures if f.done()]
-            assert [r[0] for r in rejected] == [503] * 5
+        with ThreadPoolExecutor(7) as pool:
+            futures = [pool.submit(answer, c) for c in running + burst]
+            late = futures[3:]
+            _until(lambda: sum(f.done() for f in late) == 3)  # the 503s come at once
+            (queued,) = [i for i, f in enumerate(late) if not f.done()]
+            rejected = [f.result() for f in late if f.done()]
+            assert [r[0] for r in rejected] == [503] * 3
             assert all(r[1] for r in rejected)
             assert "queue is full" in rejected[0][2]["error"]["message"]
 
             s.terminate()
-            sigterm = time.monotonic()
             deadline = time.monotonic() + 60
             while True:  # stops accepting
                 try:
@@ -325,10 +410,11 @@ def test_lifecycle_readiness_full_queue_and_sigterm_drain(release, reference, tm
                     break
                 assert time.monotonic() < deadline, "still accepting after SIGTERM"
                 time.sleep(0.02)
-            status, _, body = futures[admitted].result(timeout=120)
-            assert time.monotonic() - sigterm < 45  # run at once, not after its 60 s wait
-        assert status == 200
-        assert body["choices"][0]["token_ids"] == reference(prompts[admitted], 20)
+            results = [f.result(timeout=120) for f in futures[:3]] + [late[queued].result(120)]
+        order = [*prompts[:3], prompts[3 + queued]]
+        for (status, _, body), p in zip(results, order, strict=True):
+            assert status == 200
+            assert body["choices"][0]["token_ids"] == reference(p, 40)
         assert s.stop(timeout=60) == 0, s.output()
 
 
@@ -379,8 +465,10 @@ class _Tokenized:
         self.input_ids = ids
 
 
-def _engine_with_tokenizer(ids: list[int], *, vocab: int = 100, max_seq: int = 32):
+def _service_with_tokenizer(ids: list[int], *, vocab: int = 100, max_seq: int = 32):
     from types import SimpleNamespace
+
+    from pipeline.plan.buckets import Bucket
 
     calls: list[str] = []
 
@@ -388,8 +476,8 @@ def _engine_with_tokenizer(ids: list[int], *, vocab: int = 100, max_seq: int = 3
         calls.append(text)
         return _Tokenized(ids)
 
-    model = SimpleNamespace(max_seq=max_seq)
-    return SimpleNamespace(tokenizer=tokenizer, vocab=vocab, model=model), calls
+    engine = SimpleNamespace(largest=Bucket(1, max_seq))
+    return SimpleNamespace(tokenizer=tokenizer, vocab=vocab, engine=engine), calls
 
 
 def test_tokenizer_ids_outside_the_vocabulary_are_a_400_not_a_crash():
@@ -397,29 +485,29 @@ def test_tokenizer_ids_outside_the_vocabulary_are_a_400_not_a_crash():
     like a client's, or the device would index past the embedding."""
     import asyncio
 
-    from pipeline.server.app import _token_ids
+    from pipeline.server.admission import token_ids
     from pipeline.server.protocol import ApiError, parse_request
 
-    engine, _ = _engine_with_tokenizer([5, 100, 7])
+    engine, _ = _service_with_tokenizer([5, 100, 7])
     req = parse_request({"model": MODEL, "prompt": "hello"})
     with pytest.raises(ApiError, match=r"the tokenizer gave token ids \[100\]") as e:
-        asyncio.run(_token_ids(engine, "hello", req))
+        asyncio.run(token_ids(engine, "hello", req))
     assert e.value.status == 400
-    engine, _ = _engine_with_tokenizer([5, 99, 7])
-    assert asyncio.run(_token_ids(engine, "hello", req)) == [5, 99, 7]
+    engine, _ = _service_with_tokenizer([5, 99, 7])
+    assert asyncio.run(token_ids(engine, "hello", req)) == [5, 99, 7]
 
 
 def test_a_prompt_too_long_for_any_bucket_is_refused_before_tokenizing():
     import asyncio
 
-    from pipeline.server.app import MAX_CHARS_PER_POSITION, _token_ids
+    from pipeline.server.admission import MAX_CHARS_PER_POSITION, token_ids
     from pipeline.server.protocol import ApiError, parse_request
 
-    engine, calls = _engine_with_tokenizer([1])
+    engine, calls = _service_with_tokenizer([1])
     text = "x" * (32 * MAX_CHARS_PER_POSITION + 1)
     req = parse_request({"model": MODEL, "prompt": text})
     with pytest.raises(ApiError, match="cannot fit the largest bucket") as e:
-        asyncio.run(_token_ids(engine, text, req))
+        asyncio.run(token_ids(engine, text, req))
     assert e.value.code == "context_length_exceeded" and calls == []
 
 
@@ -469,7 +557,7 @@ def test_listen_binds_like_uvicorn_and_names_the_host():
     """IPv4 unless the host has ':' (so localhost is 127.0.0.1 even where it is also ::1);
     an address not of this machine names --host, not --port."""
     from pipeline.errors import InputError
-    from pipeline.server.app import _listen
+    from pipeline.server.launch import _listen
 
     with _listen("localhost", 0) as sock:
         assert sock.getsockname()[0] == "127.0.0.1"

@@ -16,22 +16,45 @@ def serve(
     path: Annotated[Path, typer.Argument(help="DEST/MODEL (follows current) or a release dir.")],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8000,
-    max_wait_ms: Annotated[
-        float,
-        typer.Option("--max-wait-ms", min=0, help="How long a request waits for others to batch."),
-    ] = 5.0,
     max_queue: Annotated[
         int,
-        typer.Option("--max-queue", min=1, help="Requests waiting to be batched; more get 503."),
+        typer.Option("--max-queue", min=1, help="Requests waiting for a slot; more get 503."),
     ] = 256,
+    max_prefills: Annotated[
+        int,
+        typer.Option(
+            "--max-prefills",
+            min=1,
+            help="Requests admitted per iteration (each prefill stalls the running rows).",
+        ),
+    ] = 4,
+    spill: Annotated[
+        bool,
+        typer.Option(
+            "--spill/--no-spill",
+            help="When every slot of a request's own length is busy, take a free slot of a "
+            "longer bucket rather than wait.",
+        ),
+    ] = True,
+    batching: Annotated[
+        str,
+        typer.Option(
+            "--batching",
+            help="iteration: requests join and leave running buckets at every step; static: "
+            "a bucket admits only when all its rows are done (the old way, to compare).",
+        ),
+    ] = "iteration",
 ) -> None:
-    """Serve the release over HTTP (OpenAI /v1/completions), batching requests into buckets."""
+    """Serve the release over HTTP (OpenAI /v1/completions): requests join the buckets'
+    slots at every step."""
     from pipeline.errors import InputError
     from pipeline.install.installed import open_installed
 
+    if batching not in ("iteration", "static"):
+        raise InputError(f"--batching {batching}", "unknown", "use iteration or static")
     try:
-        from pipeline.server.app import ServeOptions
-        from pipeline.server.app import serve as run
+        from pipeline.server.launch import serve as run
+        from pipeline.server.service import ServeOptions
     except ImportError as e:
         raise InputError(
             "serve",
@@ -39,4 +62,4 @@ def serve(
             "pip install 'inf2-pipeline[serve]'",
         ) from None
     open_installed(path, verify="size")  # a wrong path fails now, in one line, before binding
-    run(ServeOptions(path, host, port, max_wait_ms, max_queue))
+    run(ServeOptions(path, host, port, max_queue, max_prefills, spill, batching))

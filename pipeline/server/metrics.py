@@ -1,12 +1,18 @@
-"""The server's Prometheus metrics (``GET /metrics``), in a registry of its own.
+"""The server's Prometheus metrics (``GET /metrics``), in a registry of its own; the engine's
+``Hooks`` (``pipeline.server.engine``) are its methods.
 
-Padding efficiency of live traffic, per bucket:
-    real / (real + padding)  from  inf2_serve_bucket_tokens_total{bucket, kind}
-where a batch in bucket (B, S) holds B × S token positions and its real tokens are the
-positions its requests used (prompt + generated tokens, as ``tokens_needed`` counts them).
+Padding efficiency of live traffic, per bucket and phase, from
+``inf2_serve_positions_total{bucket, phase, kind}``:
+    real / (real + padding)
+- ``phase="prefill"``: a prompt of n tokens is real n of the prefill graph's length (cpu/cuda:
+  the shortest prefill length that holds it; neuron: the export's sequence length);
+- ``phase="decode"``: a step of a bucket of batch B computes B rows, of which those in use
+  are real: the slots' occupancy while it steps.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -33,34 +39,50 @@ class Metrics:
         self.completion_tokens = Counter(
             "inf2_serve_completion_tokens", "Tokens sent back to clients", registry=r
         )
-        self.batches = Counter(
-            "inf2_serve_batches", "Batches run, by bucket", ["bucket"], registry=r
-        )
-        self.batch_rows = Counter(
-            "inf2_serve_batch_rows", "Requests run, by bucket (rows used)", ["bucket"], registry=r
-        )
-        self.bucket_tokens = Counter(
-            "inf2_serve_bucket_tokens",
-            "Token positions of the buckets run: kind=real (used by requests) or padding",
-            ["bucket", "kind"],
+        self.prefills = Counter(
+            "inf2_serve_prefills",
+            "Prefills run (one request each), by bucket",
+            ["bucket"],
             registry=r,
         )
-        self.queue_depth = Gauge(
-            "inf2_serve_queue_depth", "Requests waiting to be batched", registry=r
+        self.steps = Counter(
+            "inf2_serve_steps", "Decode steps run, by bucket", ["bucket"], registry=r
+        )
+        self.positions = Counter(
+            "inf2_serve_positions",
+            "Token positions computed, by bucket and phase (prefill, decode): kind=real (a "
+            "request's) or padding",
+            ["bucket", "phase", "kind"],
+            registry=r,
+        )
+        self.slots_gauge = Gauge(
+            "inf2_serve_slots",
+            "KV-cache slots of each resident bucket, by state (busy, free)",
+            ["bucket", "state"],
+            registry=r,
+        )
+        self.queue_depth_gauge = Gauge(
+            "inf2_serve_queue_depth", "Requests waiting for a slot", registry=r
         )
         self.in_flight = Gauge(
             "inf2_serve_in_flight", "Requests admitted and not yet answered", registry=r
         )
         self.ready = Gauge("inf2_serve_ready", "1 once the release is loaded and warm", registry=r)
+        self.queue_time = Histogram(
+            "inf2_serve_queue_time_seconds",
+            "Arrival to the prefill that takes a slot",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.ttft = Histogram(
             "inf2_serve_time_to_first_token_seconds",
             "Arrival to first token",
             buckets=_LATENCY,
             registry=r,
         )
-        self.tpot = Histogram(
-            "inf2_serve_time_per_output_token_seconds",
-            "After the first token, seconds per further output token",
+        self.itl = Histogram(
+            "inf2_serve_inter_token_latency_seconds",
+            "Between two tokens of one request",
             buckets=_PER_TOKEN,
             registry=r,
         )
@@ -71,15 +93,35 @@ class Metrics:
             registry=r,
         )
 
-    def batch(self, bucket: Bucket, rows: int, real: int) -> None:
-        self.batches.labels(bucket.name).inc()
-        self.batch_rows.labels(bucket.name).inc(rows)
-        self.bucket_tokens.labels(bucket.name, "real").inc(real)
-        self.bucket_tokens.labels(bucket.name, "padding").inc(bucket.tokens - real)
+    # --- the engine's hooks (called on the model thread) ---------------------------------
 
-    def finished(self, arrival: float, first: float | None, end: float, tokens: int) -> None:
+    def queue_depth(self, n: int) -> None:
+        self.queue_depth_gauge.set(n)
+
+    def admitted(self, req: Any, now: float) -> None:
+        self.queue_time.observe(now - req.arrival)
+
+    def token(self, req: Any, now: float) -> None:
+        if req.produced == 1:
+            self.ttft.observe(now - req.arrival)
+        else:
+            self.itl.observe(now - req.last_token)
+
+    def prefill(self, bucket: Bucket, real: int, computed: int) -> None:
+        self.prefills.labels(bucket.name).inc()
+        self.positions.labels(bucket.name, "prefill", "real").inc(real)
+        self.positions.labels(bucket.name, "prefill", "padding").inc(max(computed - real, 0))
+
+    def step(self, bucket: Bucket, rows: int) -> None:
+        self.steps.labels(bucket.name).inc()
+        self.positions.labels(bucket.name, "decode", "real").inc(rows)
+        self.positions.labels(bucket.name, "decode", "padding").inc(bucket.batch - rows)
+
+    def slots(self, bucket: Bucket, busy: int) -> None:
+        self.slots_gauge.labels(bucket.name, "busy").set(busy)
+        self.slots_gauge.labels(bucket.name, "free").set(bucket.batch - busy)
+
+    # --- the HTTP side ---------------------------------------------------------------------
+
+    def finished(self, arrival: float, end: float) -> None:
         self.latency.observe(end - arrival)
-        if first is not None:
-            self.ttft.observe(first - arrival)
-            if tokens > 1:
-                self.tpot.observe((end - first) / (tokens - 1))

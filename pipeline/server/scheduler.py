@@ -1,262 +1,99 @@
-"""Batching: waiting requests → groups → the bucket that wastes the fewest padded tokens.
+"""Placement: which waiting requests go into which free slots at the start of an iteration.
 
-The asyncio side ``submit``s requests (never blocking: a short lock, no model work); one
-worker thread (``run``) takes groups off the queue and runs them, because a runner is not
-re-entrant (one KV cache per bucket). Tokens go back to the event loop through
-``loop.call_soon_threadsafe`` as they are produced, one call per step for the whole batch.
+A pure function of the waiting requests (oldest first) and the resident buckets' slots, so
+the policy is unit-tested without a model. The engine (``pipeline.server.engine``) applies
+what it returns.
 
-How a group is formed, when the worker is free:
-- it waits until ``max_batch`` requests are queued or the oldest has waited ``max_wait_s``;
-- the oldest request always goes first (nothing starves); the others join in order of how
-  close their need (prompt + max_tokens) is to the oldest one's, while the group still fits
-  a bucket, up to the largest batch: similar lengths share a sequence bucket;
-- the bucket is ``model.select(len(group), need)``: the fewest padded tokens.
-
-A group runs for the longest max_tokens in it; each request takes its own first max_tokens
-tokens (greedy, so a prefix of a longer run is the same answer), and the batch stops as soon
-as every row is finished (EOS, its max_tokens, a stop string, or a gone client).
+The rules, in order:
+- First come, first served: requests are placed in arrival order, and at most
+  ``max_prefills`` per iteration (prefills stall every running row for their duration).
+  A request that cannot be placed now keeps its place; nothing later takes a slot it could
+  use, so nothing starves.
+- A request needs ``need`` positions (prompt + answer, as the runner counts them). It goes to
+  the resident bucket with the shortest sequence length that holds it and has a free slot:
+  the least padding per step. With ``spill`` (the default), when every slot of that length is
+  busy it takes a free slot of a longer bucket rather than wait: on cpu/cuda a longer bucket
+  costs a short row almost nothing (decode attends only the filled positions; prefill runs
+  at the prompt's own length). Without ``spill`` it waits for its own length.
+- Among buckets of that length, one already running wins (its step is paid for anyway);
+  else the smallest idle one whose batch holds every waiting request of that length, else
+  the largest idle one: few buckets step per iteration, each as full as the traffic allows.
+- ``static`` batching (the old batch-at-a-time server, kept to compare): a bucket admits
+  only when none of its rows is running, and then as many requests as it holds, whatever
+  ``max_prefills`` says.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 from pipeline.plan.buckets import Bucket
 
-
-class Model(Protocol):
-    """What the scheduler needs of ``pipeline.runtime.BucketedModel``."""
-
-    buckets: list[Bucket]
-    max_batch: int
-    max_seq: int
-    eos_token_id: int | None
-
-    def select(self, batch: int, seq: int) -> Bucket: ...
-    def tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int: ...
-    def session(self, bucket: Bucket) -> Any: ...
+BATCHING = ("iteration", "static")
 
 
-class QueueFull(Exception):
-    """The bounded queue is full: answer 503 with Retry-After."""
+@dataclass
+class BucketSlots:
+    """What placement needs to know of one resident bucket."""
+
+    bucket: Bucket
+    free: list[int]  # free slot ids, lowest first
+    running: int  # rows in use
+    admitted: int = field(default=0)  # placed in this iteration (placement's own count)
 
 
-class Closed(Exception):
-    """The scheduler is shutting down: no new requests."""
+@dataclass(frozen=True)
+class Placement:
+    index: int  # into the waiting list
+    bucket: Bucket
+    slot: int
 
 
-@dataclass(eq=False)
-class Request:
-    """One completion request. ``events`` (an asyncio.Queue on the loop) receives
-    ("tokens", [ids]), then ("done", finish_reason) or ("error", message)."""
-
-    prompt: list[int]
-    max_tokens: int
-    need: int  # sequence positions a bucket must have for it
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
-    steps: bool = False  # wants tokens as they come (streaming, stop strings)
-    cancelled: bool = False  # set from the loop: the client left, or a stop string matched
-    bucket: Bucket | None = None
-
-
-# The worker's hooks into metrics (kept abstract so the scheduler has no prometheus import).
-BatchHook = Callable[[Bucket, int, int], None]  # bucket, rows, real tokens
-DepthHook = Callable[[int], None]
-
-
-class Scheduler:
-    def __init__(
-        self,
-        model: Model,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        max_wait_s: float,
-        max_queue: int,
-        on_batch: BatchHook | None = None,
-        on_depth: DepthHook | None = None,
-    ) -> None:
-        self.model = model
-        self.loop = loop
-        self.max_wait_s = max_wait_s
-        self.max_queue = max_queue
-        self._on_batch = on_batch or (lambda *a: None)
-        self._on_depth = on_depth or (lambda n: None)
-        self._queue: deque[Request] = deque()
-        self._cond = threading.Condition()
-        self._closing = False
-        self.running: list[Request] = []
-
-    # --- the event loop's side: never blocks on the model ---------------------------------
-
-    def submit(self, req: Request) -> None:
-        with self._cond:
-            if self._closing:
-                raise Closed
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull
-            self._queue.append(req)
-            self._on_depth(len(self._queue))
-            self._cond.notify()
-
-    def cancel(self, req: Request) -> None:
-        """The client is gone (or needs no more tokens): free its queue slot, or its row."""
-        req.cancelled = True
-        with self._cond:
-            if req in self._queue:
-                self._queue.remove(req)
-                self._on_depth(len(self._queue))
-                self._cond.notify()
-
-    def close(self) -> None:
-        """Take no new requests; the worker finishes what is queued, then returns."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-
-    @property
-    def depth(self) -> int:
-        return len(self._queue)
-
-    # --- the worker thread -------------------------------------------------------------------
-
-    def run(self) -> None:
-        while True:
-            group = self._next_group()
-            if group is None:
-                return
-            self._run(*group)
-
-    def _next_group(self) -> tuple[list[Request], Bucket] | None:
-        with self._cond:
-            while True:
-                if not self._queue:
-                    if self._closing:
-                        return None
-                    self._cond.wait()
-                    continue
-                deadline = self._queue[0].arrival + self.max_wait_s
-                wait = deadline - time.monotonic()
-                if len(self._queue) < self.model.max_batch and wait > 0 and not self._closing:
-                    self._cond.wait(wait)
-                    continue  # re-check: more came, the oldest left, or time is up
-                group, bucket = pick_group(list(self._queue), self.model)
-                for r in group:
-                    self._queue.remove(r)
-                self._on_depth(len(self._queue))
-                return group, bucket
-
-    def _run(self, group: list[Request], bucket: Bucket) -> None:
-        eos = self.model.eos_token_id
-        n = len(group)
-        seen = [0] * n  # tokens produced for the row so far
-        sent = [0] * n  # of which delivered
-        finished = [False] * n
-        self.running = group
-        for r in group:
-            r.bucket = bucket
-
-        def on_tokens(step: Sequence[int]) -> bool:
-            out: list[tuple[Request, list[int]]] = []
-            for i, (r, t) in enumerate(zip(group, step, strict=True)):
-                if finished[i]:
-                    continue
-                if r.cancelled:
-                    finished[i] = True
-                    continue
-                seen[i] += 1
-                if r.steps:
-                    out.append((r, [int(t)]))
-                    sent[i] += 1
-                if int(t) == eos or seen[i] >= r.max_tokens:
-                    finished[i] = True
-            if out:  # one wake-up of the loop per step, for every streaming row
-                self.loop.call_soon_threadsafe(_deliver, out)
-            return all(finished)
-
-        try:
-            session = self.model.session(bucket)
-            prompts = [r.prompt for r in group]
-            max_new = max(r.max_tokens for r in group)
-            # Per-step tokens only when a row needs them: reading them is a host sync per
-            # step (on cuda), and whole answers need none.
-            if any(r.steps for r in group) and _streams(session):
-                rows = session.generate(prompts, max_new, eos, on_tokens=on_tokens)
-            else:
-                rows = session.generate(prompts, max_new, eos)
-        except Exception as e:  # the request fails, the server lives on
-            msg = f"{type(e).__name__}: {e}"
-            self.loop.call_soon_threadsafe(_deliver, [(r, ("error", msg)) for r in group])
-            self.running = []
-            return
-        late: list[tuple[Request, Any]] = []
-        real = 0
-        for i, r in enumerate(group):
-            answer = rows[i][: r.max_tokens]
-            if not r.cancelled and len(answer) > sent[i]:
-                late.append((r, answer[sent[i] :]))
-            real += self.model.tokens_needed(len(r.prompt), max(len(answer), 1))
-            reason = "stop" if answer and eos is not None and answer[-1] == eos else "length"
-            late.append((r, ("done", reason)))
-        self.running = []
-        self._on_batch(bucket, n, real)
-        self.loop.call_soon_threadsafe(_deliver, late)
-
-
-def pick_group(waiting: list[Request], model: Model) -> tuple[list[Request], Bucket]:
-    """The oldest request, joined by those closest to it in need while a bucket holds them
-    all (up to the largest batch); and the bucket with the fewest padded tokens for them."""
-    head = waiting[0]
-    group = [head]
-    others = sorted(waiting[1:], key=lambda r: (abs(r.need - head.need), r.arrival))
-    for r in others:
-        if len(group) >= model.max_batch:
+def place(
+    needs: Sequence[int],
+    buckets: Sequence[BucketSlots],
+    *,
+    max_prefills: int,
+    spill: bool = True,
+    batching: str = "iteration",
+) -> list[Placement]:
+    """Placements for the waiting requests whose needs are ``needs`` (oldest first)."""
+    if batching not in BATCHING:
+        raise ValueError(f"batching {batching!r}: one of {', '.join(BATCHING)}")
+    out: list[Placement] = []
+    state = {b.bucket: BucketSlots(b.bucket, list(b.free), b.running) for b in buckets}
+    lengths = sorted({b.bucket.seq for b in buckets})
+    for i, need in enumerate(needs):
+        # static batching fills an empty bucket at once, as the batch-at-a-time server did
+        if len(out) >= max_prefills and batching == "iteration":
             break
-        if _bucket_for([*group, r], model) is not None:
-            group.append(r)
-    bucket = _bucket_for(group, model)
-    assert bucket is not None  # the head alone fits: submit checked it
-    return group, bucket
+        fitting = [s for s in lengths if s >= need]
+        if not fitting:
+            continue  # admission refuses these; never placed
+        for seq in fitting if spill else fitting[:1]:
+            open_ = [
+                b for b in state.values() if b.bucket.seq == seq and b.free and _admits(b, batching)
+            ]
+            if not open_:
+                continue
+            demand = sum(1 for n in needs[i:] if n <= seq)
+            chosen = _choose(open_, demand)
+            slot = chosen.free.pop(0)
+            chosen.admitted += 1
+            out.append(Placement(i, chosen.bucket, slot))
+            break
+    return out
 
 
-def group_need(group: Sequence[Request], model: Model) -> int:
-    """One session runs every row for the longest max_tokens: its cache must hold the longest
-    prompt plus that many tokens."""
-    return model.tokens_needed(max(len(r.prompt) for r in group), max(r.max_tokens for r in group))
+def _admits(b: BucketSlots, batching: str) -> bool:
+    # static: only a bucket that had no rows running when this iteration began
+    return batching == "iteration" or b.running == 0
 
 
-def _bucket_for(group: Sequence[Request], model: Model) -> Bucket | None:
-    need = group_need(group, model)
-    if need > model.max_seq or len(group) > model.max_batch:
-        return None
-    try:
-        return model.select(len(group), need)
-    except ValueError:  # InputError: the grid has no bucket with both
-        return None
-
-
-def _deliver(items: list[tuple[Request, Any]]) -> None:
-    for r, item in items:
-        r.events.put_nowait(("tokens", item) if isinstance(item, list) else item)
-
-
-_STREAMS: dict[type, bool] = {}
-
-
-def _streams(session: Any) -> bool:
-    """Whether the session's generate takes ``on_tokens`` (cpu/cuda do; a runner that does
-    not still serves, with whole answers)."""
-    cls = type(session)
-    if cls not in _STREAMS:
-        try:
-            _STREAMS[cls] = "on_tokens" in inspect.signature(session.generate).parameters
-        except (TypeError, ValueError):
-            _STREAMS[cls] = False
-    return _STREAMS[cls]
+def _choose(open_: list[BucketSlots], demand: int) -> BucketSlots:
+    running = [b for b in open_ if b.running or b.admitted]
+    if running:  # the fullest running bucket first: keep the others idle
+        return max(running, key=lambda b: (b.running + b.admitted, -b.bucket.batch))
+    idle = sorted(open_, key=lambda b: b.bucket.batch)
+    return next((b for b in idle if b.bucket.batch >= demand), idle[-1])

@@ -1,0 +1,107 @@
+"""Admission: a request body → a checked, tokenized ``engine.Request`` in the engine's queue,
+or the ``ApiError`` that answers it (400, 404, 503)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pipeline.server import protocol
+from pipeline.server.engine import Closed, QueueFull
+from pipeline.server.engine import Request as Job
+from pipeline.server.protocol import ApiError
+
+RETRY_AFTER_S = 1  # what a 503 asks clients to wait
+# A prompt longer than this many characters per position of the largest bucket cannot fit
+# (natural text averages 3-5 characters a token): refused before the tokenizer spends on it.
+MAX_CHARS_PER_POSITION = 64
+
+
+async def admit(service: Any, body: Any) -> tuple[Job, protocol.CompletionRequest, int]:
+    """Check the request and queue it, or raise the ApiError that answers it."""
+    m = service.metrics
+    engine = service.engine
+    if not service.ready or engine is None:
+        m.requests.labels("not_ready").inc()
+        raise unavailable(f"not ready: {service.phase}", "not_ready")
+    try:
+        req = protocol.parse_request(body)
+        if req.model != service.name:
+            raise ApiError(
+                404,
+                f"model '{req.model}' is not served here; this server serves '{service.name}'",
+                param="model",
+                code="model_not_found",
+            )
+        prompt = await token_ids(service, protocol.one_prompt(req), req)
+    except ApiError:
+        m.requests.labels("invalid").inc()
+        raise
+    assert req.max_tokens is not None
+    need = service.model.tokens_needed(len(prompt), req.max_tokens)
+    largest = engine.largest
+    if need > largest.seq:
+        m.requests.labels("too_long").inc()
+        raise ApiError(
+            400,
+            f"prompt of {len(prompt)} tokens + max_tokens {req.max_tokens} needs {need} "
+            f"positions; the largest bucket, {largest.name}, holds {largest.seq}: shorten the "
+            "prompt or lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    job = Job(prompt=prompt, max_tokens=req.max_tokens, need=need)
+    try:
+        engine.submit(job)
+    except QueueFull:
+        m.requests.labels("queue_full").inc()
+        message = f"the queue is full ({engine.max_queue} waiting): retry later"
+        raise unavailable(message, "queue_full") from None
+    except Closed:
+        m.requests.labels("not_ready").inc()
+        raise unavailable("shutting down") from None
+    return job, req, len(prompt)
+
+
+def unavailable(message: str, code: str | None = None) -> ApiError:
+    """503 with Retry-After: come back in a moment."""
+    return ApiError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def token_ids(service: Any, prompt: str | list[int], req: Any) -> list[int]:
+    """The prompt's token ids (text through the release's tokenizer), checked against the
+    model's vocabulary."""
+    if isinstance(prompt, str):
+        if service.tokenizer is None:
+            raise ApiError(
+                400,
+                "this release has no tokenizer: send the prompt as a list of token ids",
+                param="prompt",
+            )
+        longest = service.engine.largest.seq
+        limit = longest * MAX_CHARS_PER_POSITION
+        if len(prompt) > limit:
+            raise ApiError(
+                400,
+                f"prompt of {len(prompt)} characters cannot fit the largest bucket "
+                f"({longest} positions): shorten the prompt",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        # Off the event loop: a long prompt must not stall /health and the other requests.
+        ids = list((await asyncio.to_thread(service.tokenizer, prompt)).input_ids)
+    else:
+        ids = list(prompt)
+    # The tokenizer's ids too: one with added tokens beyond the model's embedding would
+    # otherwise index past it on the device.
+    bad = [t for t in ids if not 0 <= t < service.vocab]
+    if bad:
+        source = "the tokenizer gave" if isinstance(prompt, str) else "the prompt has"
+        raise ApiError(
+            400,
+            f"{source} token ids {bad[:5]} outside the model's vocabulary (0..{service.vocab - 1})",
+            param="prompt",
+        )
+    if protocol.stop_list(req) and service.tokenizer is None:
+        raise ApiError(400, "stop strings need a tokenizer; this release has none", param="stop")
+    return ids

@@ -1,0 +1,396 @@
+"""The serving loop: iteration-level batching over the resident buckets' slots.
+
+The asyncio side ``submit``s requests (never blocking: a short lock, no model work); one
+model thread (``run``) loops, because a runner is not re-entrant. Every iteration:
+
+1. retires rows whose client left (or whose stop string matched), freeing their slots;
+2. admits waiting requests into free slots (``scheduler.place``: first come, first served,
+   at most ``max_prefills``), prefilling each: its first token goes out at once;
+3. runs one decode step for every bucket with rows in use, in turn, and delivers each row's
+   token;
+4. retires each row the moment it ends (EOS, its own ``max_tokens``), so the slot is free
+   for the next iteration's admissions.
+
+So a short request never waits for a long one's steps, and a freed slot is refilled one
+iteration later. Tokens go back to the event loop as typed events (``Tokens``, ``Finished``,
+``Failed``) in one ``loop.call_soon_threadsafe`` per iteration for every request.
+
+An exception in a prefill fails that request only; one in a step fails the rows of that
+bucket's step (they shared it), never those of other buckets, and the server lives on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pipeline.plan.buckets import Bucket
+from pipeline.server.scheduler import BucketSlots, place
+
+log = logging.getLogger("inf2_pipeline.serve")
+
+FAIL_AFTER = 3  # steps failed in a row (any bucket) after which the device is taken as lost
+
+
+class Model(Protocol):
+    """What the engine needs of ``pipeline.runtime.BucketedModel``."""
+
+    eos_token_id: int | None
+
+    def slots(self, bucket: Bucket) -> Any: ...  # pipeline.runtime.runners.Slots
+
+
+class EngineFailed(Exception):
+    """The engine cannot go on (the device keeps failing, or a bug): the server is unhealthy."""
+
+
+class QueueFull(Exception):
+    """The bounded queue is full: answer 503 with Retry-After."""
+
+
+class Closed(Exception):
+    """The engine is shutting down: no new requests."""
+
+
+# --- what the engine tells a request (on its asyncio queue) -----------------------------
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (EOS) or "length" (max_tokens)
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Tokens | Finished | Failed
+
+
+@dataclass(eq=False)
+class Request:
+    """One completion request. ``events`` (an asyncio.Queue on the loop) receives ``Tokens``,
+    then ``Finished`` or ``Failed``."""
+
+    prompt: list[int]
+    max_tokens: int
+    need: int  # sequence positions a slot must have for it
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    cancelled: bool = False  # set from the loop: the client left, or a stop string matched
+    # the engine's own
+    bucket: Bucket | None = None
+    slot: int = -1
+    produced: int = 0
+    admitted: float = 0.0
+    last_token: float = 0.0
+
+
+class Hooks(Protocol):
+    """The engine's measurements (``pipeline.server.metrics.Metrics`` implements them)."""
+
+    def queue_depth(self, n: int) -> None: ...
+    def admitted(self, req: Request, now: float) -> None: ...
+    def token(self, req: Request, now: float) -> None: ...
+    def prefill(self, bucket: Bucket, real: int, computed: int) -> None: ...
+    def step(self, bucket: Bucket, rows: int) -> None: ...
+    def slots(self, bucket: Bucket, busy: int) -> None: ...
+
+
+class NoHooks:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *a, **k: None
+
+
+@dataclass
+class _Resident:
+    bucket: Bucket
+    slots: Any  # Slots
+    rows: dict[int, Request] = field(default_factory=dict)  # slot -> its request
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        buckets: Sequence[Bucket],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        max_queue: int,
+        max_prefills: int = 4,
+        spill: bool = True,
+        batching: str = "iteration",
+        hooks: Hooks | None = None,
+    ) -> None:
+        """``buckets``: the resident ones (loaded and warm)."""
+        self.model = model
+        self.loop = loop
+        self.max_queue = max_queue
+        self.max_prefills = max_prefills
+        self.spill = spill
+        self.batching = batching
+        self.hooks: Any = hooks or NoHooks()
+        self._resident = [_Resident(b, model.slots(b)) for b in sorted(buckets)]
+        self._queue: deque[Request] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._failures = 0  # steps failed in a row
+        self._broken = ""  # why the loop must stop (set by _failed)
+        self._out: list[tuple[Request, Event]] = []
+        for r in self._resident:
+            self.hooks.slots(r.bucket, 0)
+
+    # --- the event loop's side: never blocks on the model ---------------------------------
+
+    def submit(self, req: Request) -> None:
+        if req.need > self.largest.seq:  # admission refuses these; never queue one
+            raise ValueError(f"a request of {req.need} positions fits no resident bucket")
+        with self._cond:
+            if self._closing:
+                raise Closed
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull
+            self._queue.append(req)
+            self.hooks.queue_depth(len(self._queue))
+            self._cond.notify()
+
+    def cancel(self, req: Request) -> None:
+        """The client is gone (or needs no more tokens): leave the queue, or free the slot
+        at the next iteration."""
+        req.cancelled = True
+        with self._cond:
+            if req in self._queue:
+                self._queue.remove(req)
+                self.hooks.queue_depth(len(self._queue))
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Take no new requests; ``run`` finishes what is queued and running, then returns."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def largest(self) -> Bucket:
+        """The resident bucket with the longest sequence (then the largest batch)."""
+        return max((r.bucket for r in self._resident), key=lambda b: (b.seq, b.batch))
+
+    def busy(self) -> dict[Bucket, int]:
+        return {r.bucket: len(r.rows) for r in self._resident}
+
+    # --- the model thread ------------------------------------------------------------------
+
+    def run(self) -> None:
+        """The loop, until ``close`` and nothing is left. Raises ``EngineFailed`` (after
+        failing every request it holds) when it cannot go on: the caller marks the server
+        failed, so its readiness probe fails and the pod restarts."""
+        try:
+            self._loop()
+        except Exception as e:
+            self._fail_everything(f"the engine stopped: {type(e).__name__}: {e}")
+            raise EngineFailed(str(e)) from e
+
+    def _loop(self) -> None:
+        while True:
+            # this iteration's events: kept on self, so a failure mid-iteration still
+            # delivers those already made (_fail_everything)
+            out = self._out = []
+            self._retire_cancelled()
+            with self._cond:
+                while not self._queue and not self._running():
+                    if self._closing:
+                        return
+                    self._cond.wait()
+                admitted = self._take_admissions()
+            if admitted:
+                self._prefill(admitted, out)
+                # First tokens go out before the steps: a prefill's token does not wait
+                # for every running bucket's next step.
+                self.loop.call_soon_threadsafe(_deliver, out)
+                out = self._out = []
+            for res in self._resident:
+                if res.rows:
+                    self._step(res, out)
+            self._out = []
+            if out:  # one wake-up of the loop per iteration, for every request
+                self.loop.call_soon_threadsafe(_deliver, out)
+            if self._broken:
+                raise EngineFailed(self._broken)
+
+    def _running(self) -> bool:
+        return any(r.rows for r in self._resident)
+
+    def _take_admissions(self) -> list[tuple[Request, _Resident, int]]:
+        """Place waiting requests (under the lock) and take them off the queue."""
+        if not self._queue:
+            return []
+        waiting = list(self._queue)
+        state = [
+            BucketSlots(
+                r.bucket, [s for s in range(r.bucket.batch) if s not in r.rows], len(r.rows)
+            )
+            for r in self._resident
+        ]
+        placed = place(
+            [q.need for q in waiting],
+            state,
+            max_prefills=self.max_prefills,
+            spill=self.spill,
+            batching=self.batching,
+        )
+        by_bucket = {r.bucket: r for r in self._resident}
+        now = time.monotonic()
+        out = []
+        for p in placed:
+            req = waiting[p.index]
+            self._queue.remove(req)
+            req.admitted = now
+            self.hooks.admitted(req, now)
+            out.append((req, by_bucket[p.bucket], p.slot))
+        if out:
+            self.hooks.queue_depth(len(self._queue))
+        return out
+
+    def _prefill(
+        self, admitted: list[tuple[Request, _Resident, int]], out: list[tuple[Request, Event]]
+    ) -> None:
+        """Prefill what was admitted: requests of one bucket and one prefill length share a
+        call where the slots take several (``prefill_many``), else one call each."""
+        groups: dict[tuple[Bucket, int], list[tuple[Request, int]]] = {}
+        for req, res, slot in admitted:
+            req.bucket, req.slot = res.bucket, slot
+            res.rows[slot] = req
+            key = (res.bucket, prefill_positions(res, len(req.prompt)))
+            groups.setdefault(key, []).append((req, slot))
+        by_bucket = {r.bucket: r for r in self._resident}
+        for (bucket, computed), items in groups.items():
+            res = by_bucket[bucket]
+            many = getattr(res.slots, "prefill_many", None)
+            size = int(getattr(res.slots, "prefill_batch", 1)) if many else 1
+            for a in range(0, len(items), size):
+                part = items[a : a + size]
+                tokens = None
+                if len(part) > 1:
+                    try:
+                        tokens = many([s for _, s in part], [r.prompt for r, _ in part])
+                        if len(tokens) != len(part):
+                            raise RuntimeError(f"{len(tokens)} tokens for {len(part)} prompts")
+                    except Exception:  # one at a time, so only the culprit fails
+                        tokens = None
+                if tokens is None:
+                    tokens = [self._prefill_one(res, req, slot, out) for req, slot in part]
+                for (req, slot), token in zip(part, tokens, strict=True):
+                    if token is None:
+                        continue
+                    self.hooks.prefill(bucket, len(req.prompt), computed)
+                    self._deliver_token(res, slot, token, out)
+            self.hooks.slots(bucket, len(res.rows))
+
+    def _prefill_one(
+        self, res: _Resident, req: Request, slot: int, out: list[tuple[Request, Event]]
+    ) -> int | None:
+        try:
+            return res.slots.prefill(slot, req.prompt)
+        except Exception as e:  # this request fails; the others go on
+            self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
+            return None
+
+    def _step(self, res: _Resident, out: list[tuple[Request, Event]]) -> None:
+        slots = sorted(res.rows)
+        try:
+            tokens = res.slots.step(slots)
+            if len(tokens) != len(slots):
+                raise RuntimeError(f"{len(tokens)} tokens for {len(slots)} slots")
+        except Exception as e:  # the rows of this step fail together: they shared it
+            message = f"{type(e).__name__}: {e}"
+            for slot in slots:
+                self._retire(res, slot, out, Failed(message))
+            self._failed(res.bucket, message)
+            return
+        self._failures = 0
+        for slot, token in zip(slots, tokens, strict=True):
+            self._deliver_token(res, slot, token, out)
+        self.hooks.step(res.bucket, len(slots))
+        self.hooks.slots(res.bucket, len(res.rows))
+
+    def _deliver_token(
+        self, res: _Resident, slot: int, token: int, out: list[tuple[Request, Event]]
+    ) -> None:
+        req = res.rows[slot]
+        now = time.monotonic()
+        req.produced += 1
+        self.hooks.token(req, now)
+        req.last_token = now
+        out.append((req, Tokens([int(token)])))
+        eos = self.model.eos_token_id
+        if eos is not None and token == eos:
+            self._retire(res, slot, out, Finished("stop"))
+        elif req.produced >= req.max_tokens:
+            self._retire(res, slot, out, Finished("length"))
+
+    def _retire(
+        self, res: _Resident, slot: int, out: list[tuple[Request, Event]], event: Event | None
+    ) -> None:
+        """The row is done: its event goes out whatever ``free`` does (a free that fails
+        leaves the slot with the engine's bookkeeping, never the request hanging)."""
+        req = res.rows.pop(slot)
+        if event is not None:
+            out.append((req, event))
+        try:
+            res.slots.free(slot)
+        except Exception as e:
+            log.warning("freeing slot %d of %s: %s: %s", slot, res.bucket.name, type(e).__name__, e)
+        self.hooks.slots(res.bucket, len(res.rows))
+
+    def _failed(self, bucket: Bucket, message: str) -> None:
+        """A step failed: after ``FAIL_AFTER`` in a row the device is taken as lost, and the
+        loop stops at the end of this iteration."""
+        self._failures += 1
+        if self._failures >= FAIL_AFTER:
+            self._broken = f"{self._failures} steps failed in a row ({bucket.name}: {message})"
+
+    def _fail_everything(self, message: str) -> None:
+        """Every request running or queued gets ``Failed`` (after the events this iteration
+        had made); no new ones are taken."""
+        out, self._out = self._out, []
+        for res in self._resident:
+            out += [(req, Failed(message)) for req in res.rows.values()]
+            res.rows.clear()
+        with self._cond:
+            self._closing = True
+            out += [(req, Failed(message)) for req in self._queue]
+            self._queue.clear()
+        self.loop.call_soon_threadsafe(_deliver, out)
+
+    def _retire_cancelled(self) -> None:
+        for res in self._resident:
+            for slot in [s for s, r in res.rows.items() if r.cancelled]:
+                self._retire(res, slot, [], None)  # nobody is listening
+
+
+def prefill_positions(res: _Resident, n: int) -> int:
+    """Positions a prefill of n tokens computes in this bucket: the prefill length the slots
+    say they use (cpu/cuda: the shortest prefill graph that holds n), else the bucket's."""
+    positions = getattr(res.slots, "prefill_positions", None)
+    return int(positions(n)) if positions is not None else res.bucket.seq
+
+
+def _deliver(items: list[tuple[Request, Event]]) -> None:
+    for r, event in items:
+        r.events.put_nowait(event)

@@ -1,0 +1,87 @@
+"""Listening and running: the socket, uvicorn, and SIGTERM's drain."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from pipeline.errors import InputError, PipelineError
+from pipeline.server.app import create_app
+from pipeline.server.service import ServeOptions, Service
+
+log = logging.getLogger("inf2_pipeline.serve")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that a taken port or a wrong host is one line
+    naming the option (uvicorn would log a traceback-like block and exit 1 or 3). IPv6 only
+    for a host with ':', as uvicorn does: `localhost` is 127.0.0.1 even where it is also ::1."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(
+        family, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )  # TCP_NODELAY: asyncio sets it only then
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except (OSError, UnicodeError, OverflowError) as e:
+        sock.close()
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+            raise InputError(
+                f"--host {host} --port {port}",
+                "cannot listen: in use by another process",
+                "pick another --port",
+            ) from None
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise InputError(
+            f"--host {host}",
+            f"cannot listen there ({why})",
+            "pass an address of this machine, e.g. 127.0.0.1 or 0.0.0.0",
+        ) from None
+    return sock
+
+
+def serve(options: ServeOptions) -> None:
+    """Run the server until SIGTERM/SIGINT; raises the load error if the release failed."""
+    import uvicorn
+
+    sock = _listen(options.host, options.port)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # uvicorn names its address only for sockets it binds itself; --port 0 needs the real one.
+    host, port = sock.getsockname()[:2]
+    log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+    service = Service(options)
+    config = uvicorn.Config(
+        create_app(service),
+        host=options.host,
+        port=options.port,
+        access_log=False,
+        log_level="info",
+        lifespan="on",
+        timeout_keep_alive=5,
+    )
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            service.drain()  # at once: take no new requests, finish the admitted ones
+            await super().shutdown(sockets)
+
+    server = Server(config)
+
+    def failed() -> None:
+        server.should_exit = True
+
+    service.on_failure = failed
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler that was there
+    # before it: this one, so that a clean drain exits 0 rather than dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    with sock:
+        server.run(sockets=[sock])
+    if isinstance(service.failure, PipelineError):
+        raise service.failure
+    if service.failure is not None:
+        raise PipelineError(f"serve {options.path}", service.error or "failed to load")
