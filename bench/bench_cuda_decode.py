@@ -175,11 +175,15 @@ def write_config(
     seqs,
     flags: list[str],
     store: Path,
+    prefill_lengths=(),
 ) -> Path:
+    buckets = {"batch_sizes": list(batches), "sequence_lengths": list(seqs)}
+    if prefill_lengths:
+        buckets["prefill_lengths"] = list(prefill_lengths)
     config = {
         "model": {"name": name, "checkpoint": str(ckpt), "dtype": dtype},
         "target": {"backend": backend, "instance_type": "inf2.xlarge", "tp_degree": 1},
-        "buckets": {"batch_sizes": list(batches), "sequence_lengths": list(seqs)},
+        "buckets": buckets,
         "compiler": {"flags": flags, "auto_cast_type": "bf16", "timeout_s": 1800},
         "store": str(store),
     }
@@ -461,6 +465,12 @@ def main() -> None:
         help="a copy of ../shared/peers/gpt-fast: run in the same run, when present",
     )
     p.add_argument(
+        "--prefill-lengths",
+        default="256,1024",
+        help="shorter prefill graphs of the long buckets (serve prefills a prompt at the "
+        "shortest that holds it; '' for none)",
+    )
+    p.add_argument(
         "--compile-only",
         action="store_true",
         help="stop after compiling and installing (a later run then compiles nothing)",
@@ -532,6 +542,7 @@ def main() -> None:
             [args.prefill],
             flags,
             store / "prefill",
+            [int(n) for n in args.prefill_lengths.split(",") if n],
         ),
     ]
     log(

