@@ -5,7 +5,8 @@ model thread (``run``) loops, because a runner is not re-entrant. Every iteratio
 
 1. retires rows whose client left (or whose stop string matched), freeing their slots;
 2. admits waiting requests into free slots (``scheduler.place``: first come, first served,
-   at most ``max_prefills``), prefilling each: its first token goes out at once;
+   at most ``max_prefills``) and prefills them, those of one bucket and one prefill length
+   in one call where the backend can; their first tokens go out at once;
 3. runs one decode step for every bucket with rows in use, in turn, and delivers each row's
    token;
 4. retires each row the moment it ends (EOS, its own ``max_tokens``), so the slot is free
@@ -15,13 +16,17 @@ So a short request never waits for a long one's steps, and a freed slot is refil
 iteration later. Tokens go back to the event loop as typed events (``Tokens``, ``Finished``,
 ``Failed``) in one ``loop.call_soon_threadsafe`` per iteration for every request.
 
-An exception in a prefill fails that request only; one in a step fails the rows of that
-bucket's step (they shared it), never those of other buckets, and the server lives on.
+An exception in a prefill fails that request only (a shared prefill call that fails is
+retried one prompt at a time); one in a step fails the rows of that bucket's step (they
+shared it), never those of other buckets, and the server lives on. After ``FAIL_AFTER``
+failed steps in a row, or any exception that escapes the loop, the device is taken as lost:
+every request held gets ``Failed`` and ``run`` raises ``EngineFailed``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -376,7 +381,9 @@ class Engine:
             self._closing = True
             out += [(req, Failed(message)) for req in self._queue]
             self._queue.clear()
-        self.loop.call_soon_threadsafe(_deliver, out)
+        # a closed event loop raises RuntimeError: then nobody is waiting any more
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(_deliver, out)
 
     def _retire_cancelled(self) -> None:
         for res in self._resident:
