@@ -62,4 +62,14 @@ def serve(
             "pip install 'inf2-pipeline[serve]'",
         ) from None
     open_installed(path, verify="size")  # a wrong path fails now, in one line, before binding
-    run(ServeOptions(path, host, port, max_queue, max_prefills, spill, batching))
+    run(
+        ServeOptions(
+            path,
+            host=host,
+            port=port,
+            max_queue=max_queue,
+            max_prefills=max_prefills,
+            spill=spill,
+            batching=batching,
+        )
+    )

@@ -87,9 +87,12 @@ class DecodeSession:
                 )
             inputs = None
             for n in self.tiers:
-                fixed = (self.k_cache, self.v_cache, self.generated, self.live, self._keys[n])
                 step = StaticGraph(
-                    self._greedy_step, self._inputs, fixed, recorder=recorder, inputs=inputs
+                    self._greedy_step,
+                    self._inputs,
+                    self._fixed(n),
+                    recorder=recorder,
+                    inputs=inputs,
                 )
                 self._steps[n], inputs = step, step.inputs
             self._inputs = inputs  # type: ignore[assignment]
@@ -190,12 +193,7 @@ class DecodeSession:
     def prefill(self, tokens: Tensor, lengths: Tensor) -> Tensor:
         """tokens [B', S], lengths [B'] → fp32 logits [B', V] of each row's last real token;
         row r fills slot r."""
-        self._mark_batch()
-        tokens, lengths = _on(self.device, tokens, lengths)
-        logits, nxt = self.graphs.prefill_rows(tokens, lengths, self.k_cache, self.v_cache)
-        rows = torch.arange(len(lengths), device=self.device)
-        self.generated[rows, lengths] = nxt
-        return logits
+        return self._prefill_rows(tokens, lengths)[0]
 
     def decode(self, tokens: Tensor, positions: Tensor, attended: int | None = None) -> Tensor:
         """tokens [B, 1] at positions [B] → fp32 logits [B, V] (every row stepped).
@@ -229,14 +227,11 @@ class DecodeSession:
         self._check(prompts, max_new_tokens)
         n = len(prompts)
         longest = max(len(p) for p in prompts)
-        self._mark_batch()
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-        tokens = torch.zeros((n, max(lengths.tolist())), dtype=torch.int64)
+        tokens = torch.zeros((n, longest), dtype=torch.int64)
         for row, p in enumerate(prompts):
             tokens[row, : len(p)] = torch.tensor(list(p), dtype=torch.int64)
-        lengths = lengths.to(self.device)
-        _, first = self.graphs.prefill_rows(tokens, lengths, self.k_cache, self.v_cache)
-        self.generated[torch.arange(n, device=self.device), lengths] = first
+        _, first = self._prefill_rows(tokens, torch.tensor([len(p) for p in prompts]))
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         self._load(first[:, None], lengths, n)
         step = self._advance()
         check_every = EOS_CHECK_EVERY.get(self.device.type, 8)
@@ -276,6 +271,15 @@ class DecodeSession:
         tokens.copy_(nxt[:, None])
         positions.add_(live)  # rows not in use stay where they are, inside their own row
         return nxt, logits
+
+    def _prefill_rows(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
+        """Whole-batch prefill, row r into slot r; each row's first token goes into
+        ``generated``. (logits [B', V], next tokens [B'])."""
+        self._mark_batch()
+        tokens, lengths = _on(self.device, tokens, lengths)
+        logits, nxt = self.graphs.prefill_rows(tokens, lengths, self.k_cache, self.v_cache)
+        self.generated[torch.arange(len(lengths), device=self.device), lengths] = nxt
+        return logits, nxt
 
     def _fixed(self, n: int) -> tuple[Tensor, ...]:
         return (self.k_cache, self.v_cache, self.generated, self.live, self._keys[n])

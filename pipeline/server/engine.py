@@ -95,11 +95,8 @@ class Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # set from the loop: the client left, or a stop string matched
-    # the engine's own
-    bucket: Bucket | None = None
-    slot: int = -1
+    # the engine's own: tokens sent so far, and when the last one was
     produced: int = 0
-    admitted: float = 0.0
     last_token: float = 0.0
 
 
@@ -196,9 +193,6 @@ class Engine:
         """The resident bucket with the longest sequence (then the largest batch)."""
         return max((r.bucket for r in self._resident), key=lambda b: (b.seq, b.batch))
 
-    def busy(self) -> dict[Bucket, int]:
-        return {r.bucket: len(r.rows) for r in self._resident}
-
     # --- the model thread ------------------------------------------------------------------
 
     def run(self) -> None:
@@ -265,7 +259,6 @@ class Engine:
         for p in placed:
             req = waiting[p.index]
             self._queue.remove(req)
-            req.admitted = now
             self.hooks.admitted(req, now)
             out.append((req, by_bucket[p.bucket], p.slot))
         if out:
@@ -279,7 +272,6 @@ class Engine:
         call where the slots take several (``prefill_many``), else one call each."""
         groups: dict[tuple[Bucket, int], list[tuple[Request, int]]] = {}
         for req, res, slot in admitted:
-            req.bucket, req.slot = res.bucket, slot
             res.rows[slot] = req
             key = (res.bucket, prefill_positions(res, len(req.prompt)))
             groups.setdefault(key, []).append((req, slot))

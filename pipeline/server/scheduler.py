@@ -26,7 +26,7 @@ The rules, in order:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pipeline.plan.buckets import Bucket
 
@@ -40,7 +40,7 @@ class BucketSlots:
     bucket: Bucket
     free: list[int]  # free slot ids, lowest first
     running: int  # rows in use
-    admitted: int = field(default=0)  # placed in this iteration (placement's own count)
+    admitted: int = 0  # placed in this iteration (placement's own count)
 
 
 @dataclass(frozen=True)
