@@ -366,6 +366,38 @@ def prefill_rate(model, length: int, vocab: int, device: str, reps: int) -> dict
     }
 
 
+def slot_prefills(model, vocab: int, device: str, reps: int) -> dict[str, Any]:
+    """What serve pays to admit requests: ``Slots.prefill_many`` of P prompts into the
+    largest bucket, host sync included, at each prefill length, recorded as a CUDA graph
+    (where the session holds one) against the same packages called one launch at a time."""
+    bucket = max(model.buckets, key=lambda b: (b.batch, b.seq))
+    slots = model.slots(bucket)
+    session = slots.session
+    graphs = session.graphs
+    out: dict[str, Any] = {"bucket": bucket.name, "calls": {}}
+    for t in session.spec.prefill_lengths:
+        for p in sorted({1, min(4, slots.prefill_batch)}):
+            ps = prompts(p, t, vocab, seed=2)
+            rows = list(range(p))
+
+            def graphed(ps=ps, rows=rows) -> None:
+                slots.prefill_many(rows, ps)
+                for r in rows:
+                    slots.free(r)
+
+            def eager(ps=ps, rows=rows) -> None:
+                graphs.prefill(rows, ps, session.k_cache, session.v_cache)[1].tolist()
+
+            figures = {}
+            for way, fn in (("graph", graphed), ("eager", eager)):
+                fn()
+                figures[f"{way}_ms"] = round(median_wall(fn, device, reps) * 1e3, 3)
+            figures["graphed"] = (p, t) in session.prefill_graphs
+            out["calls"][f"p{p}_t{t}"] = figures
+            log(f"slot prefill {p}×{t} in {bucket.name}: {figures}")
+    return out
+
+
 def hf_eager_per_token(
     ckpt: Path, dtype: str, prompt: int, new: int, vocab: int, device: str, reps: int
 ) -> dict[str, float]:
@@ -471,6 +503,12 @@ def main() -> None:
         "shortest that holds it; '' for none)",
     )
     p.add_argument(
+        "--decode-prefill-lengths",
+        default="64,128",
+        help="shorter prefill graphs of the decode buckets (the s256 serve replay's prompts "
+        "average 68 tokens; '' for none)",
+    )
+    p.add_argument(
         "--compile-only",
         action="store_true",
         help="stop after compiling and installing (a later run then compiles nothing)",
@@ -531,6 +569,7 @@ def main() -> None:
             [decode_seq],
             flags,
             store / "decode",
+            [int(n) for n in args.decode_prefill_lengths.split(",") if n],
         ),
         write_config(
             args.workdir / "prefill.yaml",
@@ -575,6 +614,8 @@ def main() -> None:
 
     model = BucketedModel.load(decode_dir)
     model.warmup()
+    result["slot_prefill"] = slot_prefills(model, shape.vocab, device, args.reps * 4)
+    save()
     result["decode"] = {}
     for b in batches:
         figures = decode_per_token(
@@ -699,6 +740,11 @@ def print_summary(result: dict[str, Any], floor_ms: float) -> None:
                 f"{d['tokens_per_s']:>10,.0f} tokens/s  (replay {d['decode_step_ms']:.3f} ms, "
                 f"{d['bucket']}){vs}"
             )
+    for key, d in result.get("slot_prefill", {}).get("calls", {}).items():
+        print(
+            f"slot prefill {key:<10} {d['graph_ms']:>8.3f} ms graphed  {d['eager_ms']:>8.3f} ms "
+            f"one launch at a time  ({result['slot_prefill']['bucket']})"
+        )
     p = result["prefill"]
     print(
         f"prefill {p['prompt_tokens']} tokens {p['prefill_ms']:>8.2f} ms        "

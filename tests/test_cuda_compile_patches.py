@@ -37,6 +37,19 @@ def test_the_cuda_backend_asks_for_pdl_and_the_cpu_backend_does_not():
     assert not pdl.wanted(CudaBackend().inductor_options(["inductor.triton.enable_pdl=false"]))
 
 
+def test_cuda_prefill_packages_skip_coordinate_descent_tuning_unless_a_flag_asks():
+    cuda, cpu = CudaBackend(), CpuBackend()
+    assert cuda.inductor_options([])["coordinate_descent_tuning"] is True  # decode: tuned
+    assert cuda.prefill_options([])["coordinate_descent_tuning"] is False
+    flag = ["inductor.coordinate_descent_tuning=true"]
+    assert cuda.prefill_options(flag)["coordinate_descent_tuning"] is True
+    # the difference is in the cuda key; cpu prefill and decode take the same options
+    assert cuda.key_options([])["inductor_prefill"]["coordinate_descent_tuning"] is False
+    assert "inductor_prefill" not in cuda.key_options(flag)
+    assert cpu.prefill_options([]) == cpu.inductor_options([])
+    assert "inductor_prefill" not in cpu.key_options([])
+
+
 def test_without_the_option_nothing_is_patched():
     before = originals()
     with pdl.launches({}) as launched:

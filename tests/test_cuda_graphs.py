@@ -242,6 +242,9 @@ def test_slots_join_leave_and_skip_steps_each_equal_alone(demo_buckets, recorded
     alone = DecodeSession(BucketGraphs(demo_buckets / "b1_s64", weights=graphs.weights))
     slots = SessionSlots(DecodeSession(graphs, recorder=ReplayRecorder() if recorded else None))
     assert slots.prefill_batch == 2 and slots.prefill_positions(20) == 32
+    # recorded, every prefill call below replays one of these graphs
+    want_graphs = [(1, 32), (1, 64), (2, 32), (2, 64)] if recorded else []
+    assert slots.session.prefill_graphs == want_graphs
     a, b, c = [5, 17, 42], list(range(3, 43)), [300, 2, 9, 9]  # b needs the 64 graph
     got = {0: [], 1: []}
     for slot, t in zip((0, 1), slots.prefill_many([0, 1], [a, b]), strict=True):

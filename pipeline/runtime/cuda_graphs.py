@@ -20,6 +20,7 @@ a stand-in that re-runs ``fn`` into the same output tensor, which is what a repl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -35,8 +36,12 @@ class Recorder(Protocol):
         ...
 
 
-def cuda_recorder(fn: Callable[[], Any], warmup: int) -> tuple[Callable[[], Any], Any]:
-    """torch.cuda.CUDAGraph capture, with warmup on a side stream as PyTorch requires."""
+def cuda_recorder(
+    fn: Callable[[], Any], warmup: int, pool: Any = None
+) -> tuple[Callable[[], Any], Any]:
+    """torch.cuda.CUDAGraph capture, with warmup on a side stream as PyTorch requires.
+    ``pool`` (``torch.cuda.graph_pool_handle()``): a memory pool shared with other graphs
+    that never replay at the same time, so their intermediates take one allocation."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -44,7 +49,7 @@ def cuda_recorder(fn: Callable[[], Any], warmup: int) -> tuple[Callable[[], Any]
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph.replay, out  # the bound method keeps the graph (and its memory pool) alive
 
@@ -61,9 +66,12 @@ class StaticGraph:
         recorder: Recorder | None = None,
         warmup: int = WARMUP_CALLS,
         inputs: Sequence[Tensor] | None = None,
+        pool: Any = None,
     ) -> None:
-        """``inputs``: the input tensors of another ``StaticGraph`` to record on as well, so
-        graphs of one step at several sizes share their state (no copies to switch)."""
+        """``inputs``: the input tensors to record on (another ``StaticGraph``'s, so graphs of
+        one step at several sizes share their state with no copies to switch; or tensors
+        holding the values the warmup calls should see). ``pool``: see ``cuda_recorder``
+        (ignored by an injected recorder)."""
         # Zeroed copies of ``like``'s shapes: the only tensors the graph reads its inputs from.
         self.inputs = (
             tuple(inputs)
@@ -71,7 +79,7 @@ class StaticGraph:
             else tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in like)
         )
         self.fixed = tuple(fixed)  # referenced, so the captured addresses stay valid
-        record = recorder or cuda_recorder
+        record = recorder or functools.partial(cuda_recorder, pool=pool)
         self._replay, out = record(lambda: _as_tuple(fn(*self.inputs, *self.fixed)), warmup)
         self.outputs: tuple[Tensor, ...] = out  # every output fn returned, as captured
         self.output = out[0]

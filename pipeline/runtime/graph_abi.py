@@ -321,6 +321,15 @@ class BucketGraphs:
         """Fill cache rows ``slots`` with ``prompts`` (lists of ids, or int64 tensors), at
         most ``spec.prefill_batch`` per call and all at the shortest prefill length that
         holds the longest of them: (logits [P, V], next_tokens [P])."""
+        tokens, lengths, rows = self.prefill_inputs(slots, prompts)
+        dev = self.device
+        return self.prefills[tokens.shape[1]](
+            tokens.to(dev), lengths.to(dev), rows.to(dev), k_cache, v_cache
+        )
+
+    def prefill_inputs(self, slots: Sequence[int], prompts: Sequence[Any]) -> tuple[Any, ...]:
+        """The host tensors of one prefill call, checked: tokens [P, T] right-padded to the
+        prefill length T, lengths [P], slots [P] (int64)."""
         import torch
 
         spec = self.spec
@@ -344,13 +353,10 @@ class BucketGraphs:
         tokens = torch.zeros((len(prompts), t), dtype=torch.int64)
         for r, p in enumerate(prompts):
             tokens[r, : lengths[r]] = torch.as_tensor(p, dtype=torch.int64).cpu()
-        dev = self.device
-        return self.prefills[t](
-            tokens.to(dev),
-            torch.tensor(lengths, dtype=torch.int64, device=dev),
-            torch.tensor(list(slots), dtype=torch.int64, device=dev),
-            k_cache,
-            v_cache,
+        return (
+            tokens,
+            torch.tensor(lengths, dtype=torch.int64),
+            torch.tensor(list(slots), dtype=torch.int64),
         )
 
     def prefill_rows(

@@ -60,6 +60,11 @@ X86_OPTIONS: dict[str, Any] = {"cpp.march": "x86-64-v3", "cpp.simdlen": 256}
 # each kernel while the one before it drains (programmatic dependent launch, Hopper and
 # newer; inductor leaves it out on older GPUs): see pdl.py.
 CUDA_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": True, pdl.OPTION: True}
+# Prefill graphs are matrix products over many tokens (cuBLAS, which that tuning does not
+# touch) and are replayed as CUDA graphs by the runtime, so tuning their Triton kernels buys
+# little and cost most of a long bucket's compile (an s2048 b32 bucket's prefill graphs were
+# still tuning after 9 minutes on an H200). A flag setting the option explicitly wins.
+CUDA_PREFILL_OPTIONS: dict[str, Any] = {"coordinate_descent_tuning": False}
 
 
 def parse_flags(flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -92,8 +97,11 @@ class AotiBackend(Backend):
     def key_options(
         self, flags: tuple[str, ...] | list[str], instance_type: str | None = None
     ) -> dict[str, Any]:
+        prefill = self.prefill_options(flags)
         return {
             "inductor": self.inductor_options(flags),
+            # in the key only where it differs, so cpu keys stay what they were
+            **({"inductor_prefill": prefill} if prefill != self.inductor_options(flags) else {}),
             "machine": platform.machine(),
             "cxx": cxx_identity(),
         }
@@ -101,8 +109,18 @@ class AotiBackend(Backend):
     def inductor_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
         return {**self.default_options(), **parse_flags(flags)}
 
+    def prefill_options(self, flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
+        """The options of the prefill packages: the bucket's, with the backend's prefill
+        overrides where the flags do not set the same option."""
+        given = parse_flags(flags)
+        extra = {k: v for k, v in self.prefill_overrides().items() if k not in given}
+        return {**self.inductor_options(flags), **extra}
+
     def default_options(self) -> dict[str, Any]:
         return dict(BASE_OPTIONS)
+
+    def prefill_overrides(self) -> dict[str, Any]:
+        return {}
 
     def prepare(self, model_dir: Path, dtype: str, out_dir: Path) -> dict[str, Path]:
         """Write ``weights.safetensors``: the checkpoint's tensors in ``dtype``, by name."""
@@ -164,6 +182,7 @@ class AotiBackend(Backend):
             prefill_batch=job.bucket.batch,
         )
         options = self.inductor_options(job.flags)
+        per_graph = {dec.Prefill: self.prefill_options(job.flags), dec.Decode: options}
         seconds = {}
         cache = [torch.zeros(spec.cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
         for name, graph, inputs, dynamic in self._graphs(spec, *cache):
@@ -193,9 +212,10 @@ class AotiBackend(Backend):
                         inputs = _one_prompt(inputs)
                     program = torch.export.export(module, inputs, strict=False)
             path = job.out_dir / name
-            with pdl.launches(options) as launched, tuning.clean_timings(self.device):
+            graph_options = per_graph[graph]
+            with pdl.launches(graph_options) as launched, tuning.clean_timings(self.device):
                 aoti_compile_and_package(
-                    program, package_path=str(path), inductor_configs=dict(options)
+                    program, package_path=str(path), inductor_configs=dict(graph_options)
                 )
             seconds[name] = round(time.monotonic() - start, 2)
             pdl_note = f", {len(launched)} kernels launched with PDL" if launched else ""
@@ -211,7 +231,12 @@ class AotiBackend(Backend):
         files = {n: job.out_dir / n for n in names}
         return BucketOutput(
             files=files,
-            meta={"device": self.device, "inductor_options": options, "graph_seconds": seconds},
+            meta={
+                "device": self.device,
+                "inductor_options": options,
+                "prefill_inductor_options": per_graph[dec.Prefill],
+                "graph_seconds": seconds,
+            },
         )
 
     def _graphs(self, spec: GraphSpec, k_cache: Any, v_cache: Any):
@@ -256,6 +281,9 @@ class CudaBackend(AotiBackend):
 
     def default_options(self) -> dict[str, Any]:
         return {**BASE_OPTIONS, **CUDA_OPTIONS}
+
+    def prefill_overrides(self) -> dict[str, Any]:
+        return dict(CUDA_PREFILL_OPTIONS)
 
     def key_options(
         self, flags: tuple[str, ...] | list[str], instance_type: str | None = None
