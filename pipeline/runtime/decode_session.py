@@ -139,14 +139,13 @@ class DecodeSession:
     def prefill_slots(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
         """Fill each of ``slots`` with its prompt, in one prefill call (at most
         ``spec.prefill_batch`` prompts): the first new token of each."""
-        tokens_in, lengths, rows = self.graphs.prefill_inputs(slots, [list(p) for p in prompts])
-        graph = self._prefills.get(tuple(tokens_in.shape))
+        inputs = self.graphs.prefill_inputs(slots, [list(p) for p in prompts])
+        graph = self._prefills.get(tuple(inputs[0].shape))
         if graph is not None:
-            graph(tokens_in, lengths, rows)
+            graph(*inputs)
             nxt = graph.outputs[1]
         else:
-            call = self.graphs.prefills[tokens_in.shape[1]]
-            _, nxt = call(*_on(self.device, tokens_in, lengths, rows), self.k_cache, self.v_cache)
+            _, nxt = self.graphs.run_prefill(inputs, self.k_cache, self.v_cache)
         tokens = nxt.tolist()
         for slot, p, token in zip(slots, prompts, tokens, strict=True):
             self._next[slot], self._last[slot] = len(p), token

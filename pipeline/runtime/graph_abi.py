@@ -321,11 +321,13 @@ class BucketGraphs:
         """Fill cache rows ``slots`` with ``prompts`` (lists of ids, or int64 tensors), at
         most ``spec.prefill_batch`` per call and all at the shortest prefill length that
         holds the longest of them: (logits [P, V], next_tokens [P])."""
-        tokens, lengths, rows = self.prefill_inputs(slots, prompts)
-        dev = self.device
-        return self.prefills[tokens.shape[1]](
-            tokens.to(dev), lengths.to(dev), rows.to(dev), k_cache, v_cache
-        )
+        return self.run_prefill(self.prefill_inputs(slots, prompts), k_cache, v_cache)
+
+    def run_prefill(self, inputs: tuple[Any, ...], k_cache: Any, v_cache: Any) -> tuple[Any, Any]:
+        """Call the prefill graph of ``prefill_inputs``' length on them."""
+        tokens = inputs[0]
+        on = tuple(t.to(self.device) for t in inputs)
+        return self.prefills[tokens.shape[1]](*on, k_cache, v_cache)
 
     def prefill_inputs(self, slots: Sequence[int], prompts: Sequence[Any]) -> tuple[Any, ...]:
         """The host tensors of one prefill call, checked: tokens [P, T] right-padded to the

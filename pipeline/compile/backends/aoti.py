@@ -97,11 +97,11 @@ class AotiBackend(Backend):
     def key_options(
         self, flags: tuple[str, ...] | list[str], instance_type: str | None = None
     ) -> dict[str, Any]:
-        prefill = self.prefill_options(flags)
+        inductor, prefill = self.inductor_options(flags), self.prefill_options(flags)
         return {
-            "inductor": self.inductor_options(flags),
+            "inductor": inductor,
             # in the key only where it differs, so cpu keys stay what they were
-            **({"inductor_prefill": prefill} if prefill != self.inductor_options(flags) else {}),
+            **({"inductor_prefill": prefill} if prefill != inductor else {}),
             "machine": platform.machine(),
             "cxx": cxx_identity(),
         }
