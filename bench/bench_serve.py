@@ -276,6 +276,11 @@ def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any
         "prefills_by_bucket": {
             b: int(delta("inf2_serve_prefills_total", bucket=b)) for b in buckets
         },
+        # the model thread's seconds: waiting, in prefill calls, in step calls, around them
+        "engine_seconds": {
+            part: delta("inf2_serve_engine_seconds_total", part=part)
+            for part in ("wait", "prefill", "step", "other")
+        },
         "server_mean_queue_time_s": mean("inf2_serve_queue_time_seconds"),
         "server_mean_ttft_s": mean("inf2_serve_time_to_first_token_seconds"),
         "server_mean_itl_s": mean("inf2_serve_inter_token_latency_seconds"),
@@ -701,6 +706,12 @@ def print_table(result: dict[str, Any]) -> None:
                 ]
             )
         )
+    print("\nthe model thread's seconds in each way (from /metrics): wait for work / inside "
+          "prefill calls / inside step calls / the engine's own work around them")
+    for r in ways:
+        e = r.get("engine_seconds") or {}
+        parts = " / ".join(f"{e.get(k, 0.0):.3f}" for k in ("wait", "prefill", "step", "other"))
+        print(f"  {labels[r['way']]:<24} {r['concurrency']:>4}  {parts}  (wall {r['seconds']:.3f})")
     for p in result.get("peer", []):
         conc = str(p["concurrency"])
         runs = p.get("result", {}).get("runs", [])

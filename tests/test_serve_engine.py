@@ -400,13 +400,37 @@ def test_place_idle_choice_is_the_smallest_batch_holding_the_demand_else_the_lar
     assert buckets_of([10]) == ["b1_s32"]
     assert buckets_of([10, 10]) == ["b2_s32"] * 2
     assert buckets_of([10, 10, 10]) == ["b4_s32"] * 3
-    # six: none holds them, the largest takes four, the smallest holding the rest takes two
-    assert buckets_of([10] * 6) == ["b4_s32"] * 4 + ["b2_s32"] * 2
+    # six: none holds them, the largest takes four; the other two wait for its slots rather
+    # than open a smaller bucket beside it (another step every iteration) ...
+    assert buckets_of([10] * 6) == ["b4_s32"] * 4
+    # ... unless overflow: then the smallest holding the rest takes them
+    assert [p.bucket.name for p in place([10] * 6, b, max_prefills=8, overflow=True)] == [
+        "b4_s32"
+    ] * 4 + ["b2_s32"] * 2
     # the demand counts the waiting requests that fit the length, not the longer ones
     b = [slots(1, 32), slots(2, 32), slots(1, 64)]
     assert buckets_of([10, 50]) == ["b1_s32", "b1_s64"]
     # and not only those this iteration admits
     assert [p.bucket.name for p in place([10, 10], b, max_prefills=1)] == ["b2_s32"]
+
+
+def test_place_opens_no_smaller_bucket_beside_a_running_one_of_its_length():
+    # b4 runs full: b2 and b1 stay idle, the request waits (no_overflow) ...
+    b = [slots(1, 32), slots(2, 32), slots(4, 32, running=4)]
+    assert place([10], b, max_prefills=4) == []
+    assert where(place([10], b, max_prefills=4, overflow=True)) == [(0, "b1_s32", 0)]
+    # ... but a larger one opens when the running one is full: traffic outgrew b1
+    b = [slots(1, 32, running=1), slots(2, 32), slots(4, 32)]
+    assert where(place([10], b, max_prefills=4)) == [(0, "b2_s32", 0)]
+    # a running bucket with room still takes it, whatever its batch
+    b = [slots(1, 32), slots(2, 32, running=1), slots(4, 32, running=4)]
+    assert where(place([10], b, max_prefills=4)) == [(0, "b2_s32", 1)]
+    # other lengths are not held back: a short request still opens its own short bucket
+    b = [slots(1, 16), slots(4, 32, running=4)]
+    assert where(place([10], b, max_prefills=4)) == [(0, "b1_s16", 0)]
+    # and a full length spills to a longer one (spill), opened or running
+    b = [slots(1, 32), slots(4, 32, running=4), slots(2, 64)]
+    assert where(place([10], b, max_prefills=4)) == [(0, "b2_s64", 0)]
 
 
 def test_place_static_admits_only_into_a_bucket_with_no_running_rows():
@@ -832,6 +856,7 @@ def test_metric_hooks_move():
             "queue_time": value("inf2_serve_queue_time_seconds_count"),
             "ttft": value("inf2_serve_time_to_first_token_seconds_count"),
         }
+        await asyncio.sleep(0.05)  # the held step's call lasts at least this long
         gate.open()
         for r in (a, b, c):
             await h.result(r)
@@ -870,6 +895,13 @@ def test_metric_hooks_move():
     assert value("inf2_serve_queue_time_seconds_count") == 3
     assert value("inf2_serve_time_to_first_token_seconds_count") == 3
     assert value("inf2_serve_inter_token_latency_seconds_count") == 3 + 1 + 1
+    # the model thread's time: the held step counts as time inside step calls
+    seconds = {p: value("inf2_serve_engine_seconds_total", part=p) for p in PARTS}
+    assert seconds["step"] >= 0.05 and seconds["prefill"] > 0, seconds
+    assert all(v >= 0 for v in seconds.values()), seconds
+
+
+PARTS = ("wait", "prefill", "step", "other")
 
 
 def test_rows_retired_by_a_cancel_or_a_failed_step_leave_the_slot_gauges():

@@ -36,6 +36,14 @@ def serve(
             "longer bucket rather than wait.",
         ),
     ] = True,
+    overflow: Annotated[
+        bool,
+        typer.Option(
+            "--overflow/--no-overflow",
+            help="When the running buckets of a length are full, also open an idle bucket of "
+            "smaller batch (more rows in flight, but one more step in every iteration).",
+        ),
+    ] = False,
     batching: Annotated[
         str,
         typer.Option(
@@ -70,6 +78,7 @@ def serve(
             max_queue=max_queue,
             max_prefills=max_prefills,
             spill=spill,
+            overflow=overflow,
             batching=batching,
         )
     )

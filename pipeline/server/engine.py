@@ -109,6 +109,7 @@ class Hooks(Protocol):
     def prefill(self, bucket: Bucket, real: int, computed: int) -> None: ...
     def step(self, bucket: Bucket, rows: int) -> None: ...
     def slots(self, bucket: Bucket, busy: int) -> None: ...
+    def engine_time(self, wait: float, prefill: float, step: float, other: float) -> None: ...
 
 
 class NoHooks:
@@ -133,6 +134,7 @@ class Engine:
         max_queue: int,
         max_prefills: int = 4,
         spill: bool = True,
+        overflow: bool = False,
         batching: str = "iteration",
         hooks: Hooks | None = None,
     ) -> None:
@@ -142,6 +144,7 @@ class Engine:
         self.max_queue = max_queue
         self.max_prefills = max_prefills
         self.spill = spill
+        self.overflow = overflow
         self.batching = batching
         self.hooks: Any = hooks or NoHooks()
         self._resident = [_Resident(b, model.slots(b)) for b in sorted(buckets)]
@@ -151,6 +154,7 @@ class Engine:
         self._failures = 0  # steps failed in a row
         self._broken = ""  # why the loop must stop (set by _failed)
         self._out: list[tuple[Request, Event]] = []
+        self._calls = {"prefill": 0.0, "step": 0.0}  # this iteration's model-call seconds
         for r in self._resident:
             self.hooks.slots(r.bucket, 0)
 
@@ -206,16 +210,21 @@ class Engine:
             raise EngineFailed(str(e)) from e
 
     def _loop(self) -> None:
+        clock = time.perf_counter
         while True:
             # this iteration's events: kept on self, so a failure mid-iteration still
             # delivers those already made (_fail_everything)
             out = self._out = []
+            start = clock()
+            self._calls["prefill"] = self._calls["step"] = 0.0
             self._retire_cancelled()
             with self._cond:
+                waited = clock()
                 while not self._queue and not self._running():
                     if self._closing:
                         return
                     self._cond.wait()
+                waited = clock() - waited
                 admitted = self._take_admissions()
             if admitted:
                 self._prefill(admitted, out)
@@ -229,8 +238,20 @@ class Engine:
             self._out = []
             if out:  # one wake-up of the loop per iteration, for every request
                 self.loop.call_soon_threadsafe(_deliver, out)
+            # where the model thread's time went: waiting for work, inside the runner's
+            # prefill and step calls, and the engine's own work around them
+            pre, step = self._calls["prefill"], self._calls["step"]
+            self.hooks.engine_time(waited, pre, step, clock() - start - waited - pre - step)
             if self._broken:
                 raise EngineFailed(self._broken)
+
+    @contextlib.contextmanager
+    def _timed(self, part: str) -> Any:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._calls[part] += time.perf_counter() - t
 
     def _running(self) -> bool:
         return any(r.rows for r in self._resident)
@@ -252,6 +273,7 @@ class Engine:
             max_prefills=self.max_prefills,
             spill=self.spill,
             batching=self.batching,
+            overflow=self.overflow,
         )
         by_bucket = {r.bucket: r for r in self._resident}
         now = time.monotonic()
@@ -285,7 +307,8 @@ class Engine:
                 tokens = None
                 if len(part) > 1:
                     try:
-                        tokens = many([s for _, s in part], [r.prompt for r, _ in part])
+                        with self._timed("prefill"):
+                            tokens = many([s for _, s in part], [r.prompt for r, _ in part])
                         if len(tokens) != len(part):
                             raise RuntimeError(f"{len(tokens)} tokens for {len(part)} prompts")
                     except Exception:  # one at a time, so only the culprit fails
@@ -303,7 +326,8 @@ class Engine:
         self, res: _Resident, req: Request, slot: int, out: list[tuple[Request, Event]]
     ) -> int | None:
         try:
-            return res.slots.prefill(slot, req.prompt)
+            with self._timed("prefill"):
+                return res.slots.prefill(slot, req.prompt)
         except Exception as e:  # this request fails; the others go on
             self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
             return None
@@ -311,7 +335,8 @@ class Engine:
     def _step(self, res: _Resident, out: list[tuple[Request, Event]]) -> None:
         slots = sorted(res.rows)
         try:
-            tokens = res.slots.step(slots)
+            with self._timed("step"):
+                tokens = res.slots.step(slots)
             if len(tokens) != len(slots):
                 raise RuntimeError(f"{len(tokens)} tokens for {len(slots)} slots")
         except Exception as e:  # the rows of this step fail together: they shared it

@@ -86,6 +86,16 @@ class Metrics:
             buckets=_PER_TOKEN,
             registry=r,
         )
+        self.engine_seconds = Counter(
+            "inf2_serve_engine_seconds",
+            "The model thread's time, by part: wait (no work), prefill and step (inside the "
+            "runner's calls, host sync included), other (the engine's own work around them)",
+            ["part"],
+            registry=r,
+        )
+        self._engine_parts = {
+            p: self.engine_seconds.labels(p) for p in ("wait", "prefill", "step", "other")
+        }
         self.latency = Histogram(
             "inf2_serve_request_duration_seconds",
             "Arrival to the last token",
@@ -120,6 +130,13 @@ class Metrics:
     def slots(self, bucket: Bucket, busy: int) -> None:
         self.slots_gauge.labels(bucket.name, "busy").set(busy)
         self.slots_gauge.labels(bucket.name, "free").set(bucket.batch - busy)
+
+    def engine_time(self, wait: float, prefill: float, step: float, other: float) -> None:
+        parts = self._engine_parts
+        parts["wait"].inc(wait)
+        parts["prefill"].inc(prefill)
+        parts["step"].inc(step)
+        parts["other"].inc(max(other, 0.0))
 
     # --- the HTTP side ---------------------------------------------------------------------
 

@@ -18,6 +18,13 @@ The rules, in order:
 - Among buckets of that length, one already running wins (its step is paid for anyway);
   else the smallest idle one whose batch holds every waiting request of that length, else
   the largest idle one: few buckets step per iteration, each as full as the traffic allows.
+- An idle bucket of smaller batch than one of its length that is running is not opened
+  (unless ``overflow``): each bucket stepping is one more pass over the weights in every
+  iteration, so its few extra rows would slow every running row. Measured on the H200
+  (bench/RESULTS.md, twelfth round): at 64 clients the b32 bucket full, b8 and b1 opened
+  beside it made each iteration three steps and served 4,785 tokens/s against 6,680 at 32
+  clients. A larger idle bucket may open (traffic grows out of a small one), and the small
+  ones drain, since new requests go to the fullest running bucket.
 - ``static`` batching (the old batch-at-a-time server, kept to compare): a bucket admits
   only when none of its rows is running, and then as many requests as it holds, whatever
   ``max_prefills`` says.
@@ -57,6 +64,7 @@ def place(
     max_prefills: int,
     spill: bool = True,
     batching: str = "iteration",
+    overflow: bool = False,
 ) -> list[Placement]:
     """Placements for the waiting requests whose needs are ``needs`` (oldest first)."""
     if batching not in BATCHING:
@@ -72,9 +80,11 @@ def place(
         if not fitting:
             continue  # admission refuses these; never placed
         for seq in fitting if spill else fitting[:1]:
-            open_ = [
-                b for b in state.values() if b.bucket.seq == seq and b.free and _admits(b, batching)
-            ]
+            same = [b for b in state.values() if b.bucket.seq == seq]
+            open_ = [b for b in same if b.free and _admits(b, batching)]
+            if not overflow and batching == "iteration":
+                widest = max((b.bucket.batch for b in same if _busy(b)), default=0)
+                open_ = [b for b in open_ if _busy(b) or b.bucket.batch > widest]
             if not open_:
                 continue
             demand = sum(1 for n in needs[i:] if n <= seq)
@@ -91,8 +101,12 @@ def _admits(b: BucketSlots, batching: str) -> bool:
     return batching == "iteration" or b.running == 0
 
 
+def _busy(b: BucketSlots) -> bool:
+    return bool(b.running or b.admitted)
+
+
 def _choose(open_: list[BucketSlots], demand: int) -> BucketSlots:
-    running = [b for b in open_ if b.running or b.admitted]
+    running = [b for b in open_ if _busy(b)]
     if running:  # the fullest running bucket first: keep the others idle
         return max(running, key=lambda b: (b.running + b.admitted, -b.bucket.batch))
     idle = sorted(open_, key=lambda b: b.bucket.batch)

@@ -30,6 +30,7 @@ class ServeOptions:
     max_queue: int = 256
     max_prefills: int = 4  # prefills per iteration: each stalls the running rows
     spill: bool = True  # a request may take a free slot of a longer bucket rather than wait
+    overflow: bool = False  # open a smaller idle bucket beside a full running one
     batching: str = "iteration"  # or "static": the batch-at-a-time baseline
 
 
@@ -83,6 +84,7 @@ class Service:
                 max_queue=o.max_queue,
                 max_prefills=o.max_prefills,
                 spill=o.spill,
+                overflow=o.overflow,
                 batching=o.batching,
                 hooks=self.metrics,
             )
