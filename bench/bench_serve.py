@@ -706,8 +706,10 @@ def print_table(result: dict[str, Any]) -> None:
                 ]
             )
         )
-    print("\nthe model thread's seconds in each way (from /metrics): wait for work / inside "
-          "prefill calls / inside step calls / the engine's own work around them")
+    print(
+        "\nthe model thread's seconds in each way (from /metrics): wait for work / inside "
+        "prefill calls / inside step calls / the engine's own work around them"
+    )
     for r in ways:
         e = r.get("engine_seconds") or {}
         parts = " / ".join(f"{e.get(k, 0.0):.3f}" for k in ("wait", "prefill", "step", "other"))

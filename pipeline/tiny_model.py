@@ -38,6 +38,12 @@ On shutdown it stops accepting, finishes what is in flight, and then exits clean
 Tensor parallelism splits attention heads across cores; grouped query attention shares keys.
 The quick brown fox jumps over the lazy dog while the scheduler waits a few milliseconds.
 """
+# A small chat template in the shape of Llama's (each turn <s>role: text</s>; no newlines,
+# which the tiny alphabet lacks), so the demo and the tests chat; an answer ends at </s>.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
 # Ids 0..3, matching the config's pad/bos/eos ids below.
 _SPECIAL = ("<pad>", "<s>", "</s>", "<unk>")
 MIN_TOKENIZER_VOCAB = 128  # the character alphabet and the special tokens need ~100 ids
@@ -45,8 +51,9 @@ MIN_TOKENIZER_VOCAB = 128  # the character alphabet and the special tokens need 
 
 def write_tiny_tokenizer(out: Path, vocab: int) -> None:
     """A BPE tokenizer trained on ``_CORPUS`` with at most ``vocab`` tokens (so every id it
-    produces is one the model knows): tokenizer.json and tokenizer_config.json, loadable with
-    ``transformers.AutoTokenizer``. Like Llama's, it prepends ``<s>``."""
+    produces is one the model knows): tokenizer.json, tokenizer_config.json and its chat
+    template, loadable with ``transformers.AutoTokenizer``. Like Llama's, it prepends
+    ``<s>``."""
     import string
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -72,6 +79,7 @@ def write_tiny_tokenizer(out: Path, vocab: int) -> None:
         eos_token="</s>",
         unk_token="<unk>",
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
 
 

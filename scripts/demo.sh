@@ -30,7 +30,7 @@ $CLI pull tiny-llama --channel demo --dest "$DEST" --store artifacts
 step "5. load and generate, beside Hugging Face's greedy tokens"
 $CLI run "$DEST/tiny-llama" --prompt-ids 1,17,42,99,5 --max-new-tokens 12 --compare-hf models/tiny-llama
 
-step "6. serve it: OpenAI /v1/completions on 127.0.0.1, asked by the official client, then stopped"
+step "6. serve it: OpenAI /v1/completions and /v1/chat/completions on 127.0.0.1, asked by the official client, then stopped"
 log=$(mktemp)
 $CLI serve "$DEST/tiny-llama" --port 0 >"$log" 2>&1 &
 server=$!

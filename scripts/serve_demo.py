@@ -46,6 +46,16 @@ def main() -> None:
     ):
         print(chunk.choices[0].text, end="|", flush=True)
     print()
+    # What most clients call: chat, with the release's chat template (tiny-model writes one).
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "How are requests batched?"},
+    ]
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=12)
+    print(
+        f"chat         -> {r.choices[0].message.content!r} "
+        f"({r.usage.prompt_tokens} prompt tokens, finish_reason {r.choices[0].finish_reason})"
+    )
 
 
 if __name__ == "__main__":

@@ -25,13 +25,19 @@ class ServerProcess:
     context manager."""
 
     def __init__(
-        self, release: Path, log: Path, *args: str, step_delay_s: float | None = None
+        self,
+        release: Path,
+        log: Path,
+        *args: str,
+        step_delay_s: float | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``step_delay_s``: every decode step of the server sleeps this long first
-        (tests/serve_slow.py), so tests can act while requests are running."""
+        (tests/serve_slow.py), so tests can act while requests are running. ``env``: more
+        environment variables for the server."""
         self.log = log
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, PYTHONPATH=path, CI="true")
+        env = dict(os.environ, **(env or {}), PYTHONPATH=path, CI="true")
         main = "from pipeline.cli import main; main()"
         if step_delay_s is not None:
             env["INF2_TEST_STEP_DELAY_S"] = str(step_delay_s)
@@ -105,10 +111,12 @@ def get(url: str, timeout: float = 30) -> tuple[int, str]:
         return 0, ""
 
 
-def post(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict, Any]:
+def post(
+    url: str, body: dict[str, Any], timeout: float = 120, headers: dict[str, str] | None = None
+) -> tuple[int, dict, Any]:
     """(status, JSON body, headers)."""
     data = json.dumps(body).encode()
-    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read()), r.headers

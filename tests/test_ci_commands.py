@@ -111,3 +111,6 @@ def test_serving_pod_serves_with_the_cli_and_probes():
     (server,) = pod["spec"]["containers"]
     assert server["livenessProbe"]["httpGet"]["path"] == "/health"
     assert server["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # the API key comes from a secret, under the variable serve reads
+    (key,) = [e for e in server["env"] if e["name"] == "INF2_SERVE_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"]["name"] == "inf2-serve-api-key"

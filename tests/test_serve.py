@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -441,6 +442,18 @@ def test_serve_refuses_a_missing_release_in_one_line(tmp_path):
 
 
 _SERVE_CMD = (sys.executable, "-c", "from pipeline.cli import main; main()", "serve")
+
+
+def test_serve_refuses_an_empty_api_key_in_one_line(release):
+    r = subprocess.run(
+        [*_SERVE_CMD, str(release), "--port", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "INF2_SERVE_API_KEY": " ", "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+    assert "INF2_SERVE_API_KEY" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_serve_refuses_a_taken_port_in_one_line(release):

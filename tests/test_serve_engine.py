@@ -540,6 +540,30 @@ def test_a_model_without_eos_stops_only_at_max_tokens():
     assert tokens[1] == EOS and len(tokens) == 6
 
 
+def test_an_answer_ends_at_any_of_the_models_eos_ids():
+    """Llama 3 instruct ends a chat turn with <|eot_id|>, the second of its EOS ids."""
+    r = request([7, 8, 9], 10)
+    free = alone(r.prompt, 10, eos=None)
+    m = FakeModel()
+    m.eos_token_ids = (EOS, free[3])  # its fourth token is another EOS id
+
+    async def body(h: Harness):
+        h.engine.submit(r)
+        return await h.result(r)
+
+    tokens, end = serve(body, [Bucket(1, 16)], m)
+    assert tokens == free[:4] and end == Finished("stop")
+
+
+def test_the_release_names_every_eos_id(tmp_path):
+    from pipeline.runtime.bucketed import _eos_token_ids
+
+    (tmp_path / "config.json").write_text('{"eos_token_id": 2}')
+    assert _eos_token_ids(tmp_path) == (2,)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [128001, 128009]}')
+    assert _eos_token_ids(tmp_path) == (128001, 128009)
+
+
 def test_a_short_request_joins_a_running_long_one_and_finishes_first():
     m = FakeModel()
     long, short = request(range(10, 20), 40), request(range(30, 33), 3)

@@ -52,6 +52,16 @@ def serve(
             "a bucket admits only when all its rows are done (the old way, to compare).",
         ),
     ] = "iteration",
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="INF2_SERVE_API_KEY",
+            show_default=False,
+            help="Require `Authorization: Bearer KEY` on /v1 routes (probes and /metrics stay "
+            "open). Prefer the environment variable: a command line is visible in ps.",
+        ),
+    ] = None,
 ) -> None:
     """Serve the release over HTTP (OpenAI /v1/completions): requests join the buckets'
     slots at every step."""
@@ -60,6 +70,12 @@ def serve(
 
     if batching not in ("iteration", "static"):
         raise InputError(f"--batching {batching}", "unknown", "use iteration or static")
+    if api_key is not None and not api_key.strip():
+        raise InputError(
+            "--api-key (or INF2_SERVE_API_KEY)",
+            "is empty, so every client would need an empty key",
+            "set a key, or leave both unset to serve without one",
+        )
     try:
         from pipeline.server.launch import serve as run
         from pipeline.server.service import ServeOptions
@@ -80,5 +96,6 @@ def serve(
             spill=spill,
             overflow=overflow,
             batching=batching,
+            api_key=api_key,
         )
     )

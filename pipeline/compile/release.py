@@ -44,6 +44,7 @@ RELEASE_FILES = (
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # transformers ≥ 4.50 saves the chat template here, not in the config
     "special_tokens_map.json",
     "tokenizer.model",
 )

@@ -34,7 +34,8 @@ class BucketedModel:
         self.max_batch = max(b.batch for b in self.buckets)
         self.max_seq = max(b.seq for b in self.buckets)
         with reading(installed, buckets=()):
-            self.eos_token_id = _eos_token_id(self.dir)
+            self.eos_token_ids = _eos_token_ids(self.dir)
+            self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
             self._vocab_size = int(json.loads((self.dir / "config.json").read_text())["vocab_size"])
 
     @classmethod
@@ -135,11 +136,13 @@ class BucketedModel:
         return self._vocab_size
 
 
-def _eos_token_id(release_dir: Path) -> int | None:
+def _eos_token_ids(release_dir: Path) -> tuple[int, ...]:
+    """Every token that ends an answer (generation_config's list where it has one: Llama 3's
+    instruct models end a chat turn with <|eot_id|>, not with the base model's EOS)."""
     for name in ("generation_config.json", "config.json"):
         path = release_dir / name
         if path.is_file():
             eos = json.loads(path.read_text()).get("eos_token_id")
             if eos is not None:
-                return int(eos[0] if isinstance(eos, list) else eos)
-    return None
+                return tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    return ()

@@ -1,12 +1,13 @@
-"""Admission: a request body → a checked, tokenized ``engine.Request`` in the engine's queue,
-or the ``ApiError`` that answers it (400, 404, 503)."""
+"""Admission: a request body (completions or chat) → a checked, tokenized
+``engine.Request`` in the engine's queue, or the ``ApiError`` that answers it (400, 404,
+503)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from pipeline.server import protocol
+from pipeline.server import chat, protocol
 from pipeline.server.engine import Closed, QueueFull
 from pipeline.server.engine import Request as Job
 from pipeline.server.protocol import ApiError
@@ -18,39 +19,75 @@ MAX_CHARS_PER_POSITION = 64
 
 
 async def admit(service: Any, body: Any) -> tuple[Job, protocol.CompletionRequest, int]:
-    """Check the request and queue it, or raise the ApiError that answers it."""
-    m = service.metrics
-    engine = service.engine
-    if not service.ready or engine is None:
-        m.requests.labels("not_ready").inc()
-        raise unavailable(f"not ready: {service.phase}", "not_ready")
+    """Check a completion request and queue it, or raise the ApiError that answers it."""
+    _ready(service)
     try:
         req = protocol.parse_request(body)
-        if req.model != service.name:
-            raise ApiError(
-                404,
-                f"model '{req.model}' is not served here; this server serves '{service.name}'",
-                param="model",
-                code="model_not_found",
-            )
+        _served(service, req.model)
         prompt = await token_ids(service, protocol.one_prompt(req), req)
     except ApiError:
-        m.requests.labels("invalid").inc()
+        service.metrics.requests.labels("invalid").inc()
         raise
     assert req.max_tokens is not None
-    need = service.model.tokens_needed(len(prompt), req.max_tokens)
+    return _queue(service, prompt, req.max_tokens), req, len(prompt)
+
+
+async def admit_chat(service: Any, body: Any) -> tuple[Job, chat.ChatRequest, int]:
+    """Check a chat request, render its messages with the release's chat template and queue
+    it, or raise the ApiError that answers it."""
+    _ready(service)
+    try:
+        req = chat.parse_chat(body)
+        _served(service, req.model)
+        messages = chat.conversation(req)
+        ids = await asyncio.to_thread(chat.render, service.tokenizer, messages)
+        prompt = await token_ids(service, ids, req)
+    except ApiError:
+        service.metrics.requests.labels("invalid").inc()
+        raise
+    if req.max_tokens is None:  # as many as the largest bucket holds after the prompt
+        req.max_tokens = max(1, room(service, len(prompt)))
+    return _queue(service, prompt, req.max_tokens), req, len(prompt)
+
+
+def room(service: Any, prompt: int) -> int:
+    """The most tokens an answer to a prompt of this length can have in the largest bucket."""
+    seq = service.engine.largest.seq
+    return seq - service.model.tokens_needed(prompt, 1) + 1
+
+
+def _ready(service: Any) -> None:
+    if not service.ready or service.engine is None:
+        service.metrics.requests.labels("not_ready").inc()
+        raise unavailable(f"not ready: {service.phase}", "not_ready")
+
+
+def _served(service: Any, model: str) -> None:
+    if model != service.name:
+        raise ApiError(
+            404,
+            f"model '{model}' is not served here; this server serves '{service.name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _queue(service: Any, prompt: list[int], max_tokens: int) -> Job:
+    m = service.metrics
+    engine = service.engine
+    need = service.model.tokens_needed(len(prompt), max_tokens)
     largest = engine.largest
     if need > largest.seq:
         m.requests.labels("too_long").inc()
         raise ApiError(
             400,
-            f"prompt of {len(prompt)} tokens + max_tokens {req.max_tokens} needs {need} "
+            f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} needs {need} "
             f"positions; the largest bucket, {largest.name}, holds {largest.seq}: shorten the "
             "prompt or lower max_tokens",
             param="max_tokens",
             code="context_length_exceeded",
         )
-    job = Job(prompt=prompt, max_tokens=req.max_tokens, need=need)
+    job = Job(prompt=prompt, max_tokens=max_tokens, need=need)
     try:
         engine.submit(job)
     except QueueFull:
@@ -60,7 +97,7 @@ async def admit(service: Any, body: Any) -> tuple[Job, protocol.CompletionReques
     except Closed:
         m.requests.labels("not_ready").inc()
         raise unavailable("shutting down") from None
-    return job, req, len(prompt)
+    return job
 
 
 def unavailable(message: str, code: str | None = None) -> ApiError:

@@ -1,5 +1,6 @@
-"""The HTTP routes (FastAPI): probes, metrics, models, and completions streamed from the
-engine's events.
+"""The HTTP routes (FastAPI): probes, metrics, and the OpenAI routes under ``/v1`` (models,
+completions, chat completions; behind the API key when one is set), answered from the
+engine's events, streamed or whole.
 
 The server listens at once (``/health`` answers while a large release loads); ``/ready``
 and the completion route answer 503 until the release is loaded and warm. A client that
@@ -15,12 +16,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pipeline.server import protocol
-from pipeline.server.admission import admit
+from pipeline.server import chat, protocol
+from pipeline.server.admission import admit, admit_chat
+from pipeline.server.auth import check_key
 from pipeline.server.engine import Failed, Finished, Tokens
 from pipeline.server.engine import Request as Job
 from pipeline.server.protocol import ApiError
@@ -56,7 +58,16 @@ def create_app(service: Service) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    async def authorized(authorization: str | None = Header(default=None)) -> None:
+        try:
+            check_key(service.options.api_key, authorization)
+        except ApiError:
+            service.metrics.requests.labels("unauthorized").inc()
+            raise
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
+
+    @v1.get("/models")
     async def models() -> dict[str, Any]:
         data = []
         if service.name:
@@ -65,46 +76,54 @@ def create_app(service: Service) -> FastAPI:
             )
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(request: Request) -> Response:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            service.metrics.requests.labels("invalid").inc()
-            raise ApiError(400, "the request body is not JSON") from None
-        job, req, prompt_len = await admit(service, body)
-        rid, created = protocol.new_id(), protocol.now()
-        text = TextStream(service.tokenizer, protocol.stop_list(req))
-        service.metrics.in_flight.inc()
-        service.metrics.prompt_tokens.inc(prompt_len)
-        if req.stream:
-            include_usage = bool((req.stream_options or {}).get("include_usage"))
-            gen = _sse(service, job, text, rid, created, prompt_len, include_usage)
-            return StreamingResponse(gen, media_type="text/event-stream")
-        collect = asyncio.ensure_future(_collect(service, job, text))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-        if not collect.done():  # the client left: free its slot
-            collect.cancel()
-            _gone(service, job)
-            return Response(status_code=499)
-        reason, out_text, ids = collect.result()
-        return JSONResponse(
-            protocol.completion(
-                rid,
-                service.name,
-                created,
-                out_text,
-                ids,
-                reason,
-                protocol.usage(prompt_len, len(ids)),
-            )
-        )
+        job, req, prompt_len = await admit(service, await _body(service, request))
+        wire = protocol.CompletionWire(protocol.new_id(), service.name, protocol.now())
+        return await _answer(service, request, job, req, wire, prompt_len)
 
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        job, req, prompt_len = await admit_chat(service, await _body(service, request))
+        wire = chat.ChatWire(chat.new_id(), service.name, protocol.now())
+        return await _answer(service, request, job, req, wire, prompt_len)
+
+    app.include_router(v1)
     return app
+
+
+async def _body(service: Service, request: Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        service.metrics.requests.labels("invalid").inc()
+        raise ApiError(400, "the request body is not JSON") from None
+
+
+async def _answer(
+    service: Service, request: Request, job: Job, req: Any, wire: Any, prompt_len: int
+) -> Response:
+    """The queued job's answer in the route's wire format: streamed as server-sent events,
+    or whole once it ends (a client that leaves first frees its slot)."""
+    text = TextStream(service.tokenizer, protocol.stop_list(req))
+    service.metrics.in_flight.inc()
+    service.metrics.prompt_tokens.inc(prompt_len)
+    if req.stream:
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        gen = _sse(service, job, text, wire, prompt_len, include_usage)
+        return StreamingResponse(gen, media_type="text/event-stream")
+    collect = asyncio.ensure_future(_collect(service, job, text))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not collect.done():  # the client left: free its slot
+        collect.cancel()
+        _gone(service, job)
+        return Response(status_code=499)
+    reason, out_text, ids = collect.result()
+    return JSONResponse(wire.whole(out_text, ids, reason, protocol.usage(prompt_len, len(ids))))
 
 
 async def _tokens(service: Service, job: Job, text: TextStream) -> AsyncIterator[tuple[str, Any]]:
@@ -146,33 +165,27 @@ async def _collect(service: Service, job: Job, text: TextStream) -> tuple[str, s
 
 
 async def _sse(
-    service: Service,
-    job: Job,
-    text: TextStream,
-    rid: str,
-    created: int,
-    prompt_len: int,
-    include_usage: bool,
+    service: Service, job: Job, text: TextStream, wire: Any, prompt_len: int, include_usage: bool
 ) -> AsyncIterator[str]:
     n = 0
     finished = False
-    name = service.name
     try:
+        head = wire.first()
+        if head is not None:
+            yield _event(head)
         async for kind, value in _tokens(service, job, text):
             if kind == "text":
                 delta, ids = value
                 n += len(ids)
-                if delta or ids:
-                    yield _event(protocol.completion(rid, name, created, delta, ids, None))
+                chunk = wire.chunk(delta, ids)
+                if chunk is not None:
+                    yield _event(chunk)
             else:
                 finished = True
                 _done(service, job, n, "ok")
-                yield _event(protocol.completion(rid, name, created, "", [], value))
+                yield _event(wire.last(value))
                 if include_usage:
-                    chunk = protocol.completion(rid, name, created, "", [], None)
-                    chunk["choices"] = []
-                    chunk["usage"] = protocol.usage(prompt_len, n)
-                    yield _event(chunk)
+                    yield _event(wire.usage_chunk(protocol.usage(prompt_len, n)))
                 yield "data: [DONE]\n\n"
     except ApiError as e:
         finished = True

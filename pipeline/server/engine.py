@@ -44,7 +44,9 @@ FAIL_AFTER = 3  # steps failed in a row (any bucket) after which the device is t
 
 
 class Model(Protocol):
-    """What the engine needs of ``pipeline.runtime.BucketedModel``."""
+    """What the engine needs of ``pipeline.runtime.BucketedModel`` (which also has
+    ``eos_token_ids``, every id that ends an answer; a model without it stops at
+    ``eos_token_id``)."""
 
     eos_token_id: int | None
 
@@ -148,6 +150,10 @@ class Engine:
         self.batching = batching
         self.hooks: Any = hooks or NoHooks()
         self._resident = [_Resident(b, model.slots(b)) for b in sorted(buckets)]
+        eos = getattr(model, "eos_token_ids", None)
+        if eos is None:
+            eos = () if model.eos_token_id is None else (model.eos_token_id,)
+        self._eos = frozenset(int(e) for e in eos)
         self._queue: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -360,8 +366,7 @@ class Engine:
         self.hooks.token(req, now)
         req.last_token = now
         out.append((req, Tokens([int(token)])))
-        eos = self.model.eos_token_id
-        if eos is not None and token == eos:
+        if token in self._eos:
             self._retire(res, slot, out, Finished("stop"))
         elif req.produced >= req.max_tokens:
             self._retire(res, slot, out, Finished("length"))

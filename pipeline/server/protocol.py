@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
 
@@ -44,28 +44,33 @@ class ApiError(Exception):
         }
 
 
-class CompletionRequest(BaseModel):
-    # Unknown parameters are refused: a sampler option silently ignored changes answers.
-    model_config = ConfigDict(extra="forbid")
+class Sampling(BaseModel):
+    """The sampling fields of both completion routes."""
 
     # Strict ints and bools: JSON true is not 1, and "16" is not a number (lax pydantic
     # would take both, and a prompt of [true] would run as token 1).
+    temperature: float | None = None
+    top_p: float | None = None
+    n: StrictInt | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: StrictInt | None = None  # greedy decoding has no randomness to seed: accepted, no effect
+
+
+class CompletionRequest(Sampling):
+    # Unknown parameters are refused: a sampler option silently ignored changes answers.
+    model_config = ConfigDict(extra="forbid")
+
     model: str
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     max_tokens: StrictInt | None = DEFAULT_MAX_TOKENS
     stop: str | list[str] | None = None
     stream: StrictBool | None = False
     stream_options: dict[str, Any] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: StrictInt | None = None
     best_of: StrictInt | None = None
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: StrictInt | None = None  # greedy decoding has no randomness to seed: accepted, no effect
     suffix: str | None = None
     user: str | None = None
 
@@ -81,11 +86,16 @@ _GREEDY_ONLY = {
 }
 
 
-def parse_request(body: Any) -> CompletionRequest:
+M = TypeVar("M", bound=Sampling)
+
+
+def check_fields(cls: type[M], body: Any) -> M:
+    """The request as ``cls``, with the checks both routes share; else the 400 naming the
+    field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        req = CompletionRequest.model_validate(body)
+        req = cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"]) or None
@@ -94,31 +104,38 @@ def parse_request(body: Any) -> CompletionRequest:
         else:
             msg = f"invalid '{param}': {err['msg']}"
         raise ApiError(400, msg, param=param) from None
-    for name, (off, why) in _GREEDY_ONLY.items():
-        value = getattr(req, name)
-        if value is not None and value != off:
-            raise ApiError(400, f"{name}={value} is not supported: {why}; send {off}", param=name)
     if req.temperature is not None and req.temperature < 0:
         raise ApiError(400, "temperature must be ≥ 0", param="temperature")
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        raise ApiError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    for name, (off, why) in _GREEDY_ONLY.items():
+        value = getattr(req, name, None)
+        if value is not None and value != off:
+            raise ApiError(400, f"{name}={value} is not supported: {why}; send {off}", param=name)
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported: greedy argmax only", param="logit_bias")
+    stops = getattr(req, "stop", None)
+    if stops is not None and not isinstance(stops, str) and len(stops) > 4:
+        raise ApiError(400, "at most 4 stop sequences", param="stop")
+    return req
+
+
+def parse_request(body: Any) -> CompletionRequest:
+    req = check_fields(CompletionRequest, body)
     if req.logprobs is not None:
         raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
     if req.echo:
         raise ApiError(400, "echo is not supported by this server", param="echo")
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported: greedy argmax only", param="logit_bias")
     if req.suffix:
         raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
     if req.max_tokens is None:
         req.max_tokens = DEFAULT_MAX_TOKENS
     if req.max_tokens < 1:
         raise ApiError(400, f"max_tokens must be ≥ 1, got {req.max_tokens}", param="max_tokens")
-    stops = stop_list(req)
-    if len(stops) > 4:
-        raise ApiError(400, "at most 4 stop sequences", param="stop")
     return req
 
 
-def stop_list(req: CompletionRequest) -> list[str]:
+def stop_list(req: Any) -> list[str]:
     if req.stop is None:
         return []
     return [req.stop] if isinstance(req.stop, str) else list(req.stop)
@@ -171,6 +188,33 @@ def completion(
     if usage is not None:
         out["usage"] = usage
     return out
+
+
+class CompletionWire:
+    """Responses and streamed chunks of one text completion (see ``chat.ChatWire``)."""
+
+    def __init__(self, rid: str, model: str, created: int) -> None:
+        self.rid, self.model, self.created = rid, model, created
+
+    def first(self) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, text: str, ids: list[int]) -> dict[str, Any] | None:
+        if not (text or ids):
+            return None
+        return completion(self.rid, self.model, self.created, text, ids, None)
+
+    def last(self, reason: str) -> dict[str, Any]:
+        return completion(self.rid, self.model, self.created, "", [], reason)
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        chunk = completion(self.rid, self.model, self.created, "", [], None)
+        chunk["choices"] = []
+        chunk["usage"] = usage
+        return chunk
+
+    def whole(self, text: str, ids: list[int], reason: str, usage: dict[str, int]) -> dict:
+        return completion(self.rid, self.model, self.created, text, ids, reason, usage)
 
 
 def usage(prompt: int, completion_tokens: int) -> dict[str, int]:

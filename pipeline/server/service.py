@@ -32,6 +32,7 @@ class ServeOptions:
     spill: bool = True  # a request may take a free slot of a longer bucket rather than wait
     overflow: bool = False  # open a smaller idle bucket beside a full running one
     batching: str = "iteration"  # or "static": the batch-at-a-time baseline
+    api_key: str | None = None  # required as `Authorization: Bearer` on /v1 when set
 
 
 class Service:
