@@ -68,7 +68,10 @@ TRACES = (
     REPO / "shared" / "traces" / TRACE_NAME,
     REPO / "peers" / TRACE_NAME,
 )
-WAYS = ("lone", "serve", "static")
+WAYS = ("lone", "serve", "sampled", "static")
+# The sampled way's requests (the issue's figure: beside greedy on the same replay); each
+# request's seed is its index, so a rerun draws the same tokens.
+SAMPLED = {"temperature": 0.7, "top_p": 0.9}
 
 Work = list[tuple[list[int], int]]
 
@@ -124,10 +127,16 @@ class Answer:
 
 
 def replay(
-    url: str, name: str, work: Work, concurrency: int, timeout: float
+    url: str,
+    name: str,
+    work: Work,
+    concurrency: int,
+    timeout: float,
+    sampling: dict[str, float] | None = None,
 ) -> tuple[float, list[Answer | None], list[str]]:
     """Send every request from ``concurrency`` client threads, each on its own keep-alive
     connection, streaming; returns (seconds, answers in request order, errors).
+    ``sampling``: sampling fields for every request (with ``seed``: its index).
 
     While streaming, a thread only stamps each ``data:`` line with its arrival time; the
     JSON is parsed after the clock stops, so parsing does not delay the other threads."""
@@ -173,9 +182,10 @@ def replay(
             if i is None:
                 break
             prompt, n = work[i]
-            body = json.dumps(
-                {"model": name, "prompt": prompt, "max_tokens": n, "stream": True}
-            ).encode()
+            fields = {"model": name, "prompt": prompt, "max_tokens": n, "stream": True}
+            if sampling:
+                fields.update(sampling, seed=i)
+            body = json.dumps(fields).encode()
             for attempt in (1, 2):  # once more on a fresh connection if the idle one was shut
                 if conn is None:
                     conn = http.client.HTTPConnection(host.hostname, host.port, timeout=timeout)
@@ -289,7 +299,7 @@ def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any
 
 def way_figures(
     work: Work,
-    alone: list[list[int]],
+    alone: list[list[int]] | None,
     wall: float,
     answers: list[Answer | None],
     errors: list[str],
@@ -299,7 +309,7 @@ def way_figures(
     ttft = [a.ttft for a in got if a.ttft is not None]
     gaps = [g for a in got for g in a.gaps]
     lat = [a.latency for a in got]
-    wrong = [i for i, a in enumerate(answers) if a is not None and a.ids != alone[i]]
+    wrong = [i for i, a in enumerate(answers) if a is not None and alone and a.ids != alone[i]]
     out_tokens = sum(len(a.ids) for a in got)
     return {
         "seconds": wall,
@@ -553,10 +563,13 @@ def serve_ways(
         for r in range(args.rounds):
             for way, conc in ways:
                 before = scrape(url)
-                wall, answers, errs = replay(url, name, work, conc, args.request_timeout)
+                sampling = SAMPLED if way == "sampled" else None
+                wall, answers, errs = replay(url, name, work, conc, args.request_timeout, sampling)
                 after = scrape(url)
+                # sampled answers are draws, not the greedy answer alone: not compared
+                truth = None if sampling else alone
                 figures = way_figures(
-                    work, alone, wall, answers, errs, server_figures(before, after, buckets)
+                    work, truth, wall, answers, errs, server_figures(before, after, buckets)
                 )
                 keep(way, batching, conc, r, figures)
     except Exception as e:
@@ -680,7 +693,12 @@ def print_table(result: dict[str, Any]) -> None:
     ways = result["ways"]
     static = {r["concurrency"]: r["output_tokens_per_s"] for r in ways if r["batching"] == "static"}
     lone = next((r["ttft_p50_s"] for r in ways if r["way"] == "lone"), None)
-    labels = {"lone": "lone request (serve)", "serve": "serve", "static": "serve --batching static"}
+    labels = {
+        "lone": "lone request (serve)",
+        "serve": "serve",
+        "sampled": "serve, T 0.7 top_p 0.9",
+        "static": "serve --batching static",
+    }
     print()
     print(_row([h for h, _ in COLUMNS]))
     for r in ways:
@@ -911,6 +929,7 @@ def main() -> None:
     iteration = ([("lone", 1)] if "lone" in chosen else []) + (
         [("serve", c) for c in concs if c > 1 or "lone" not in chosen] if "serve" in chosen else []
     )
+    iteration += [("sampled", c) for c in concs] if "sampled" in chosen else []
     if iteration:
         plan.append(("iteration", iteration))
     if "static" in chosen:

@@ -14,7 +14,7 @@ import importlib.util
 import json
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +24,7 @@ from pipeline.compile.backends.neuron import export_command, write_export_checkp
 from pipeline.plan.buckets import Bucket
 from pipeline.plan.checkpoint import NEURON_DECODERS
 from pipeline.runtime.neuron import GREEDY, NeuronSlots
+from pipeline.runtime.sampling import SamplingParams
 from tests.neuron_upstream import run_probe
 
 # (bucket, tp, instance type, the --instance_type upstream must parse)
@@ -34,6 +35,20 @@ CASES = [
     (Bucket(2, 1024), 8, "trn1.32xlarge", "trn1"),
     (Bucket(16, 512), 32, "trn1n.32xlarge", "trn1n"),
     (Bucket(1, 8192), 64, "trn2.48xlarge", "trn2"),
+]
+
+
+# NeuronSlots' sampling_params rows for an export that samples on the device (max_topk 256)
+_DEVICE = SimpleNamespace(on_device_sampling=True, max_topk=256)
+SAMPLING_ROWS = [
+    NeuronSlots.sampling_row(_DEVICE, p)  # type: ignore[arg-type]
+    for p in (
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.3, top_k=40),
+        SamplingParams(temperature=0.5, top_k=1000),
+        SamplingParams(temperature=0.8, top_k=1),  # greedy: top_k 1
+    )
 ]
 
 
@@ -180,7 +195,7 @@ def upstream(handed, engine, tmp_path_factory) -> dict:
                 [str(handed["llama"]), "trn1", 1, 128, 8],
             ],
             "config_fields": [{**fields, **META} for fields in (BATCH4, BATCH1, LOGITS)],
-            "sampling": {"rows": [list(GREEDY)] * 2, "max_topk": 256},
+            "sampling": {"rows": [list(r) for r in SAMPLING_ROWS], "max_topk": 256},
             "replay": [
                 {
                     "neuron_config": fields,
@@ -246,9 +261,13 @@ def test_the_standin_neuron_config_reads_as_upstreams(upstream):
     assert (upstream["config_fields"][0]["ctx_batch_size"], BATCH4["batch_size"]) == (1, 4)
 
 
-def test_the_engines_greedy_sampling_params_are_upstreams_own(upstream):
+def test_the_engines_sampling_params_pass_upstreams_validation(upstream):
     assert upstream["sampling"]["error"] is None  # upstream's validate_sampling_params
-    assert upstream["sampling"]["default"] == [list(GREEDY)] * 2  # prepare_sampling_params
+    # greedy is upstream's own default row (prepare_sampling_params)
+    assert upstream["sampling"]["default"][0] == list(GREEDY) == list(SAMPLING_ROWS[0])
+    # the rows as upstream's vLLM runner builds them (vllm/runner.py:253-263): top_k 0 (all)
+    # and top_k above max_topk both become max_topk on the device
+    assert [r[0] for r in SAMPLING_ROWS] == [1.0, 256.0, 40.0, 256.0, 1.0]
 
 
 @pytest.mark.parametrize("name", list(ENGINE))

@@ -305,10 +305,10 @@ def test_a_wrong_position_or_a_left_out_slot_is_refused_by_the_standin(fake, mon
     slots.prefill(0, [1, 2, 3, 4, 5, 6])
     right = NeuronSlots._forward
 
-    def one_ahead(self, ids, positions, seq_ids):
+    def one_ahead(self, ids, positions, seq_ids, wanted):
         if len(ids[0]) == 1:
             positions = [[p + 1] for (p,) in positions]
-        return right(self, ids, positions, seq_ids)
+        return right(self, ids, positions, seq_ids, wanted)
 
     monkeypatch.setattr(NeuronSlots, "_forward", one_ahead)
     with pytest.raises(ValueError, match=r"seq_id 0, position 7: does not continue"):
@@ -318,7 +318,8 @@ def test_a_wrong_position_or_a_left_out_slot_is_refused_by_the_standin(fake, mon
 
     def alone(self, rows):  # the decode without the other active slots
         order = sorted(rows)
-        out = right(self, [[rows[s][0]] for s in order], [[rows[s][1]] for s in order], order)
+        ids, positions = [[rows[s][0]] for s in order], [[rows[s][1]] for s in order]
+        out = right(self, ids, positions, order, set(order))
         return dict(zip(order, out, strict=True))
 
     monkeypatch.setattr(NeuronSlots, "_decode", alone)

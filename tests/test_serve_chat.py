@@ -120,6 +120,59 @@ def test_without_max_tokens_the_answer_may_fill_the_largest_bucket(client, hf):
         assert r.usage.completion_tokens == room + 1
 
 
+def test_seeded_sampling_is_reproducible_and_seeds_differ(client):
+    def chat(seed, **kw):
+        r = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=12, temperature=0.9, seed=seed, **kw
+        )
+        return r.choices[0].message.content
+
+    assert chat(1) == chat(1)
+    assert len({chat(s) for s in range(4)}) > 1
+    assert chat(3, top_p=0.8) == chat(3, top_p=0.8)
+    assert chat(3, extra_body={"top_k": 5}) == chat(3, extra_body={"top_k": 5})
+
+    # completions sample the same way, token ids included
+    def complete(seed):
+        r = client.completions.create(
+            model=MODEL, prompt=[1, 17, 42], max_tokens=10, temperature=1.2, seed=seed
+        )
+        return r.choices[0].model_extra["token_ids"]
+
+    assert complete(7) == complete(7) and complete(7) != complete(8)
+    # temperature 0 is greedy, whatever the seed
+    greedy = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12)
+    zero = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=12, temperature=0, seed=5
+    )
+    assert zero.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_sampling_a_release_cannot_honour_is_a_400():
+    """Neuron exports that sample on the device: no per-request seed, top_k ≤ max_topk."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pipeline.server.admission import _sampling
+    from pipeline.server.protocol import parse_request
+
+    device = SimpleNamespace(seeded=False, max_topk=256)
+
+    def params(**kw):
+        req = parse_request({"model": MODEL, "prompt": [1], **kw})
+        return _sampling(device, req)
+
+    assert params(temperature=0.7).temperature == 0.7  # a fresh seed, not the client's
+    assert params(temperature=0, seed=3).greedy  # greedy needs no seed
+    with pytest.raises(ApiError, match="seed cannot be honoured") as e:
+        params(temperature=0.7, seed=3)
+    assert e.value.param == "seed"
+    assert params(temperature=0.7, top_k=256).top_k == 256
+    with pytest.raises(ApiError, match="above 256") as e:
+        params(temperature=0.7, top_k=257)
+    assert asyncio.iscoroutinefunction(_sampling) is False
+
+
 @pytest.mark.parametrize(
     ("change", "status", "param"),
     [
@@ -134,6 +187,8 @@ def test_without_max_tokens_the_answer_may_fill_the_largest_bucket(client, hf):
         ({"top_p": 1.5}, 400, "top_p"),
         ({"logprobs": True}, 400, "logprobs"),
         ({"n": 2}, 400, "n"),
+        ({"top_k": -2}, 400, "top_k"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"max_tokens": 4, "max_completion_tokens": 5}, 400, "max_completion_tokens"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from pipeline.runtime.cuda_graphs import Recorder, StaticGraph
 from pipeline.runtime.graph_abi import BucketGraphs
+from pipeline.runtime.sampling import GREEDY, SamplingParams, sample
 
 EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}  # steps between host syncs (cpu has nothing to queue)
 # Prefill calls recorded as CUDA graphs: up to this many prompts (serve's --max-prefills
@@ -113,6 +114,10 @@ class DecodeSession:
         self._next: list[int | None] = [None] * b
         self._last: list[int] = [0] * b
         self._synced: tuple[int, ...] | None = None
+        # Rows that sample (the others take the graph's argmax): their params and how many
+        # tokens each has drawn (the sampler's counter).
+        self._sampling: dict[int, SamplingParams] = {}
+        self._drawn: dict[int, int] = {}
 
     @property
     def batch(self) -> int:
@@ -136,21 +141,46 @@ class DecodeSession:
         """Fill row ``slot`` with ``prompt`` (its other rows untouched); the first new token."""
         return self.prefill_slots([slot], [prompt])[0]
 
-    def prefill_slots(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+    def prefill_slots(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams] | None = None,
+    ) -> list[int]:
         """Fill each of ``slots`` with its prompt, in one prefill call (at most
-        ``spec.prefill_batch`` prompts): the first new token of each."""
+        ``spec.prefill_batch`` prompts): the first new token of each, greedy or drawn under
+        its ``sampling`` params (which the slot keeps until it is freed)."""
         inputs = self.graphs.prefill_inputs(slots, [list(p) for p in prompts])
         graph = self._prefills.get(tuple(inputs[0].shape))
         if graph is not None:
             graph(*inputs)
-            nxt = graph.outputs[1]
+            logits, nxt = graph.outputs
         else:
-            _, nxt = self.graphs.run_prefill(inputs, self.k_cache, self.v_cache)
+            logits, nxt = self.graphs.run_prefill(inputs, self.k_cache, self.v_cache)
+        params = list(sampling) if sampling is not None else [GREEDY] * len(slots)
+        for slot, p in zip(slots, params, strict=True):
+            self._drawn.pop(slot, None)
+            if p.greedy:
+                self._sampling.pop(slot, None)
+            else:
+                self._sampling[slot] = p
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if drawn:
+            nxt = nxt.clone()
+            nxt[drawn] = self._draw(logits[drawn], [slots[i] for i in drawn])
         tokens = nxt.tolist()
         for slot, p, token in zip(slots, prompts, tokens, strict=True):
             self._next[slot], self._last[slot] = len(p), token
         self._synced = None
         return tokens
+
+    def _draw(self, logits: Tensor, slots: Sequence[int]) -> Tensor:
+        """The next token of each of ``slots`` (rows that sample) from its logits row."""
+        steps = [self._drawn.get(s, 0) for s in slots]
+        out = sample(logits, [self._sampling[s] for s in slots], steps)
+        for s, n in zip(slots, steps, strict=True):
+            self._drawn[s] = n + 1
+        return out
 
     # ``Slots`` names it ``prefill``; the batch ``prefill`` below (parity's) keeps its name.
     def step(self, slots: Sequence[int]) -> list[int]:
@@ -185,9 +215,16 @@ class DecodeSession:
         n = self.tier(attended)
         if self._steps:
             self._steps[n].replay()
-            nxt = self._steps[n].outputs[0]
+            nxt, logits = self._steps[n].outputs
         else:
-            nxt = self._greedy_step(*self._inputs, *self._fixed(n))[0]
+            nxt, logits = self._greedy_step(*self._inputs, *self._fixed(n))
+        drawn = [r for r in rows if r in self._sampling] if self._sampling else []
+        if drawn:  # the step fed its argmax back in: those rows get their drawn token instead
+            where = torch.tensor(drawn, device=self.device)
+            picked = self._draw(logits[where], drawn)
+            nxt = nxt.clone()
+            nxt[where] = picked
+            self._inputs[0][where, 0] = picked
         out = nxt.tolist()  # the host sync: the server decides after each step
         # held rows' inputs now hold their own output, not their pending token: reload next time
         self._synced = None if held else rows
@@ -201,6 +238,8 @@ class DecodeSession:
         if self._next[slot] is not None:
             self._next[slot] = None
             self._synced = None
+        self._sampling.pop(slot, None)
+        self._drawn.pop(slot, None)
 
     @property
     def slots_in_use(self) -> list[int]:
@@ -393,13 +432,21 @@ class SessionSlots:
         """Prompts one ``prefill_many`` call takes."""
         return self.session.spec.prefill_batch
 
-    def prefill(self, slot: int, prompt: Sequence[int]) -> int:
-        return self.session.prefill_slot(slot, prompt)
+    def prefill(
+        self, slot: int, prompt: Sequence[int], sampling: SamplingParams | None = None
+    ) -> int:
+        params = None if sampling is None else [sampling]
+        return self.session.prefill_slots([slot], [prompt], params)[0]
 
-    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+    def prefill_many(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams] | None = None,
+    ) -> list[int]:
         """Several requests in one prefill call (at most ``prefill_batch``): the engine groups
         the requests it admits together by prefill length."""
-        return self.session.prefill_slots(slots, prompts)
+        return self.session.prefill_slots(slots, prompts, sampling)
 
     def step(self, slots: Sequence[int]) -> list[int]:
         return self.session.step(slots)

@@ -48,6 +48,7 @@ from pipeline.plan.config import DTYPE_BYTES
 from pipeline.plan.gqa import GqaPlan
 from pipeline.plan.instances import INSTANCES
 from pipeline.plan.memory import bucket_cost, kv_cache_bytes_per_core, weight_bytes_per_core
+from pipeline.runtime.sampling import SamplingParams, sample
 
 INSTALL_HINT = (
     "serve neuron releases on an inf2 (or trn1) host with the Neuron SDK and optimum-neuron: "
@@ -76,6 +77,7 @@ def import_optimum_neuron(what: str) -> Any:
 # sampling.py:149-164). Rows are [top_k, top_p, temperature], float32 (vllm/runner.py:253-264),
 # and must pass sampling.py:102-146 where sampling is on the device (modeling_decoder.py:377).
 GREEDY = (1.0, 1.0, 1.0)
+_GREEDY_PARAMS = SamplingParams()
 
 
 class NeuronSlots:
@@ -137,6 +139,13 @@ class NeuronSlots:
         self.batch = bucket.batch
         self.seq = bucket.seq
         self.on_device_sampling = bool(nc.on_device_sampling)
+        # the largest top_k the device sampler takes (config.py:73, default 256); on the host
+        # any k up to the vocabulary (vllm/runner.py:253-258)
+        self.max_topk = int(getattr(nc, "max_topk", 0) or 0) if self.on_device_sampling else 0
+        # Slots that sample (the rest are greedy): their params, and tokens drawn so far
+        # (the host sampler's counter; the device keeps its own generator).
+        self._sampling: dict[int, SamplingParams] = {}
+        self._drawn: dict[int, int] = {}
         # Each active slot: the token it produced last and the position it goes in (the
         # number of tokens the slot holds, minus one).
         self._pending: dict[int, tuple[int, int]] = {}
@@ -146,7 +155,16 @@ class NeuronSlots:
         """The slots holding a request, in order."""
         return sorted(self._pending)
 
-    def prefill(self, slot: int, prompt: Sequence[int]) -> int:
+    @property
+    def seeded(self) -> bool:
+        """Whether a request's ``seed`` decides its tokens: only where this runner samples on
+        the host. The device sampler has one generator for the whole export, and upstream's
+        own vLLM runner passes no per-request generators either (vllm/runner.py:184)."""
+        return not self.on_device_sampling
+
+    def prefill(
+        self, slot: int, prompt: Sequence[int], sampling: SamplingParams | None = None
+    ) -> int:
         self._check_slot(slot)
         tokens = [int(t) for t in prompt]
         if not 0 < len(tokens) < self.seq:
@@ -157,10 +175,15 @@ class NeuronSlots:
                 "pick a larger bucket" if tokens else None,
             )
         self._pending.pop(slot, None)  # replacing the slot's request, whatever happens next
+        self._drawn.pop(slot, None)
+        if sampling is None or sampling.greedy:
+            self._sampling.pop(slot, None)
+        else:
+            self._sampling[slot] = sampling
         if len(tokens) == 1:
             token = self._decode({slot: (tokens[0], 0)})[slot]
         else:
-            (token,) = self._forward([tokens], [list(range(len(tokens)))], [slot])
+            (token,) = self._forward([tokens], [list(range(len(tokens)))], [slot], {slot})
         self._pending[slot] = (token, len(tokens))
         return token
 
@@ -189,6 +212,8 @@ class NeuronSlots:
         Freeing a free slot does nothing."""
         self._check_slot(slot)
         self._pending.pop(slot, None)
+        self._sampling.pop(slot, None)
+        self._drawn.pop(slot, None)
 
     def close(self) -> None:
         """The bucket is unloaded: drop the model and every request; later calls refuse."""
@@ -211,26 +236,55 @@ class NeuronSlots:
         each slot of ``rows``."""
         feed = {**self._pending, **rows}
         order = sorted(feed)
-        tokens = self._forward([[feed[s][0]] for s in order], [[feed[s][1]] for s in order], order)
+        feed_ids = [[feed[s][0]] for s in order]
+        tokens = self._forward(feed_ids, [[feed[s][1]] for s in order], order, set(rows))
         return {s: t for s, t in zip(order, tokens, strict=True) if s in rows}
 
+    def sampling_row(self, params: SamplingParams) -> tuple[float, float, float]:
+        """One row of ``sampling_params`` as optimum-neuron takes it: [top_k, top_p,
+        temperature] (sampling.py:149-164), valid for validate_sampling_params
+        (sampling.py:102-146): greedy as ``GREEDY``; top_k 0 (every token) as the largest
+        the device takes, and larger ones clamped to it, as vllm/runner.py:253-263 does."""
+        if params.greedy:
+            return GREEDY
+        if not self.on_device_sampling:  # the host samples; the row only has to be valid
+            return (float(params.top_k or -1), params.top_p, params.temperature)
+        top_k = min(params.top_k or self.max_topk, self.max_topk)
+        return (float(top_k), params.top_p, params.temperature)
+
     def _forward(
-        self, input_ids: list[list[int]], position_ids: list[list[int]], seq_ids: list[int]
+        self,
+        input_ids: list[list[int]],
+        position_ids: list[list[int]],
+        seq_ids: list[int],
+        wanted: set[int],
     ) -> list[int]:
+        """One forward call; the next token of each row (only those of ``wanted`` slots are
+        drawn where the host samples, so a row fed again does not advance its counter)."""
         import torch
 
+        rows = [self.sampling_row(self._sampling.get(s, _GREEDY_PARAMS)) for s in seq_ids]
         with torch.inference_mode():  # as upstream's runner calls it (vllm/runner.py:266)
             out = self.model.forward(
                 input_ids=torch.tensor(input_ids, dtype=torch.long),
                 position_ids=torch.tensor(position_ids, dtype=torch.long),
                 seq_ids=torch.tensor(seq_ids, dtype=torch.long),
-                sampling_params=torch.tensor([GREEDY] * len(seq_ids), dtype=torch.float32),
+                sampling_params=torch.tensor(rows, dtype=torch.float32),
             )
         if self.on_device_sampling:
             return [int(t) for t in out.reshape(-1).tolist()]
         # Logits [rows, 1, vocab]; padded vocabulary columns are masked to the lowest value
-        # (modeling_decoder.py:244-245), so the argmax is a real token.
-        return [int(t) for t in out[:, -1, :].argmax(dim=-1).tolist()]
+        # (modeling_decoder.py:244-245), so the argmax is a real token, and a draw too.
+        logits = out[:, -1, :]
+        tokens = logits.argmax(dim=-1)
+        drawn = [i for i, s in enumerate(seq_ids) if s in wanted and s in self._sampling]
+        if drawn:
+            slots = [seq_ids[i] for i in drawn]
+            steps = [self._drawn.get(s, 0) for s in slots]
+            tokens[drawn] = sample(logits[drawn], [self._sampling[s] for s in slots], steps)
+            for s, n in zip(slots, steps, strict=True):
+                self._drawn[s] = n + 1
+        return [int(t) for t in tokens.tolist()]
 
 
 class NeuronSession:

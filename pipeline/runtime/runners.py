@@ -42,14 +42,17 @@ class Slots(Protocol):
     backend. A request owns one slot from its prefill until it is freed; rows of other
     slots are unaffected by it, so a request joins and leaves a running bucket between steps.
 
-    Greedy. Calls are not re-entrant (one model thread drives them)."""
+    Greedy unless a prefill gives the slot ``SamplingParams`` (``pipeline.runtime.sampling``):
+    then the slot's tokens are drawn under them until it is freed. Calls are not re-entrant
+    (one model thread drives them)."""
 
     batch: int
     seq: int
 
-    def prefill(self, slot: int, prompt: Sequence[int]) -> int:
+    def prefill(self, slot: int, prompt: Sequence[int], sampling: Any = None) -> int:
         """Fill ``slot``'s cache with ``prompt`` (from position 0, replacing what was there)
-        and return the first new token. The slot is then active: ``step`` may advance it."""
+        and return the first new token. The slot is then active: ``step`` may advance it.
+        ``sampling``: the request's ``SamplingParams`` (None: greedy)."""
         ...
 
     def step(self, slots: Sequence[int]) -> list[int]:
@@ -62,7 +65,8 @@ class Slots(Protocol):
         ...
 
     # Optional, looked up by the engine where a backend has them (cpu/cuda's SessionSlots):
-    #   prefill_many(slots, prompts) -> first tokens: several prompts in one call, at most
+    #   prefill_many(slots, prompts, sampling=None) -> first tokens: several prompts in one
+    #       call (``sampling``: one ``SamplingParams`` per prompt), at most
     #       ``prefill_batch`` of them (the engine groups them by prefill length);
     #   prefill_positions(n) -> positions a prefill of n tokens computes (default: seq);
     #   prefill_lengths: the prompt lengths it has prefill graphs for (warm-up runs each).

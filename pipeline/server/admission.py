@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from pipeline.runtime.sampling import SamplingParams
 from pipeline.server import chat, protocol
 from pipeline.server.engine import Closed, QueueFull
 from pipeline.server.engine import Request as Job
@@ -29,7 +30,7 @@ async def admit(service: Any, body: Any) -> tuple[Job, protocol.CompletionReques
         service.metrics.requests.labels("invalid").inc()
         raise
     assert req.max_tokens is not None
-    return _queue(service, prompt, req.max_tokens), req, len(prompt)
+    return _queue(service, prompt, req.max_tokens, _sampling(service, req)), req, len(prompt)
 
 
 async def admit_chat(service: Any, body: Any) -> tuple[Job, chat.ChatRequest, int]:
@@ -42,12 +43,36 @@ async def admit_chat(service: Any, body: Any) -> tuple[Job, chat.ChatRequest, in
         messages = chat.conversation(req)
         ids = await asyncio.to_thread(chat.render, service.tokenizer, messages)
         prompt = await token_ids(service, ids, req)
+        sampling = _sampling(service, req)
     except ApiError:
         service.metrics.requests.labels("invalid").inc()
         raise
     if req.max_tokens is None:  # as many as the largest bucket holds after the prompt
         req.max_tokens = max(1, room(service, len(prompt)))
-    return _queue(service, prompt, req.max_tokens), req, len(prompt)
+    return _queue(service, prompt, req.max_tokens, sampling), req, len(prompt)
+
+
+def _sampling(service: Any, req: Any) -> SamplingParams:
+    """The request's sampling, or the 400 for what this release's slots cannot honour."""
+    params = protocol.sampling_of(req)
+    if params.greedy:
+        return params
+    if req.seed is not None and not getattr(service, "seeded", True):
+        raise ApiError(
+            400,
+            "seed cannot be honoured by this release: its exports sample on the Neuron device, "
+            "which has no per-request generator; leave seed out",
+            param="seed",
+        )
+    limit = getattr(service, "max_topk", 0)
+    if limit and params.top_k > limit:
+        raise ApiError(
+            400,
+            f"top_k {params.top_k} is above {limit}, the most this release's on-device "
+            "sampler takes (its export's max_topk)",
+            param="top_k",
+        )
+    return params
 
 
 def room(service: Any, prompt: int) -> int:
@@ -72,7 +97,7 @@ def _served(service: Any, model: str) -> None:
         )
 
 
-def _queue(service: Any, prompt: list[int], max_tokens: int) -> Job:
+def _queue(service: Any, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Job:
     m = service.metrics
     engine = service.engine
     need = service.model.tokens_needed(len(prompt), max_tokens)
@@ -87,7 +112,7 @@ def _queue(service: Any, prompt: list[int], max_tokens: int) -> Job:
             param="max_tokens",
             code="context_length_exceeded",
         )
-    job = Job(prompt=prompt, max_tokens=max_tokens, need=need)
+    job = Job(prompt=prompt, max_tokens=max_tokens, need=need, sampling=sampling)
     try:
         engine.submit(job)
     except QueueFull:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.plan.buckets import Bucket
+from pipeline.runtime.sampling import GREEDY, SamplingParams
 from pipeline.server.scheduler import BucketSlots, place
 
 log = logging.getLogger("inf2_pipeline.serve")
@@ -94,6 +95,7 @@ class Request:
     prompt: list[int]
     max_tokens: int
     need: int  # sequence positions a slot must have for it
+    sampling: SamplingParams = GREEDY  # the slot draws under these; greedy by default
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # set from the loop: the client left, or a stop string matched
@@ -314,7 +316,11 @@ class Engine:
                 if len(part) > 1:
                     try:
                         with self._timed("prefill"):
-                            tokens = many([s for _, s in part], [r.prompt for r, _ in part])
+                            tokens = many(
+                                [s for _, s in part],
+                                [r.prompt for r, _ in part],
+                                *_sampling([r for r, _ in part]),
+                            )
                         if len(tokens) != len(part):
                             raise RuntimeError(f"{len(tokens)} tokens for {len(part)} prompts")
                     except Exception:  # one at a time, so only the culprit fails
@@ -333,7 +339,7 @@ class Engine:
     ) -> int | None:
         try:
             with self._timed("prefill"):
-                return res.slots.prefill(slot, req.prompt)
+                return res.slots.prefill(slot, req.prompt, *_sampling([req], one=True))
         except Exception as e:  # this request fails; the others go on
             self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
             return None
@@ -418,6 +424,14 @@ def prefill_positions(res: _Resident, n: int) -> int:
     say they use (cpu/cuda: the shortest prefill graph that holds n), else the bucket's."""
     positions = getattr(res.slots, "prefill_positions", None)
     return int(positions(n)) if positions is not None else res.bucket.seq
+
+
+def _sampling(reqs: list[Request], one: bool = False) -> tuple[Any, ...]:
+    """The sampling argument of a prefill call: none where every request is greedy (so
+    slots that only decode greedily need not take one)."""
+    if all(r.sampling.greedy for r in reqs):
+        return ()
+    return (reqs[0].sampling,) if one else ([r.sampling for r in reqs],)
 
 
 def _deliver(items: list[tuple[Request, Event]]) -> None:

@@ -1,17 +1,21 @@
-"""The OpenAI completions wire format: request checking, responses, errors.
+"""The OpenAI completions wire format: request checking, sampling, responses, errors.
 
-Only what the runtime can honour is accepted: greedy decoding (temperature 0, or left out),
-one prompt, one choice. Any parameter that would change the answer and cannot be honoured
-is a 400 that says so, never silently ignored.
+Only what the runtime can honour is accepted: greedy decoding (temperature 0, or left out)
+or sampling with ``temperature``, ``top_p``, ``top_k`` and ``seed``; one prompt, one
+choice. Any parameter that would change the answer and cannot be honoured is a 400 that
+says so, never silently ignored.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
+
+from pipeline.runtime.sampling import GREEDY, SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -51,11 +55,12 @@ class Sampling(BaseModel):
     # would take both, and a prompt of [true] would run as token 1).
     temperature: float | None = None
     top_p: float | None = None
+    top_k: StrictInt | None = None  # vLLM's extension: 0 or -1 keep every token
     n: StrictInt | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: StrictInt | None = None  # greedy decoding has no randomness to seed: accepted, no effect
+    seed: StrictInt | None = None  # the same seed, prompt and release: the same tokens
 
 
 class CompletionRequest(Sampling):
@@ -77,12 +82,10 @@ class CompletionRequest(Sampling):
 
 # parameter -> (the value that means "off", why it cannot be honoured)
 _GREEDY_ONLY = {
-    "temperature": (0.0, "this server decodes greedily (the compiled graphs return the argmax)"),
-    "top_p": (1.0, "this server decodes greedily; nucleus sampling is not available"),
-    "n": (1, "one choice per request (greedy decoding gives the same answer every time)"),
+    "n": (1, "one choice per request (each choice would hold a slot of its own: send n requests)"),
     "best_of": (1, "one choice per request"),
-    "presence_penalty": (0.0, "the compiled graphs return the argmax; no penalties"),
-    "frequency_penalty": (0.0, "the compiled graphs return the argmax; no penalties"),
+    "presence_penalty": (0.0, "no penalties: the sampler reads the step's logits as they are"),
+    "frequency_penalty": (0.0, "no penalties: the sampler reads the step's logits as they are"),
 }
 
 
@@ -108,12 +111,14 @@ def check_fields(cls: type[M], body: Any) -> M:
         raise ApiError(400, "temperature must be ≥ 0", param="temperature")
     if req.top_p is not None and not 0 < req.top_p <= 1:
         raise ApiError(400, f"top_p must be in (0, 1], got {req.top_p}", param="top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise ApiError(400, f"top_k must be ≥ 1 (or 0 or -1: all), got {req.top_k}", param="top_k")
     for name, (off, why) in _GREEDY_ONLY.items():
         value = getattr(req, name, None)
         if value is not None and value != off:
             raise ApiError(400, f"{name}={value} is not supported: {why}; send {off}", param=name)
     if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported: greedy argmax only", param="logit_bias")
+        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
     stops = getattr(req, "stop", None)
     if stops is not None and not isinstance(stops, str) and len(stops) > 4:
         raise ApiError(400, "at most 4 stop sequences", param="stop")
@@ -133,6 +138,18 @@ def parse_request(body: Any) -> CompletionRequest:
     if req.max_tokens < 1:
         raise ApiError(400, f"max_tokens must be ≥ 1, got {req.max_tokens}", param="max_tokens")
     return req
+
+
+def sampling_of(req: Sampling) -> SamplingParams:
+    """The request's sampling: greedy when ``temperature`` is 0 or left out (this server's
+    default; OpenAI's is 1), else drawn with its seed, or a fresh random one."""
+    temperature = req.temperature or 0.0
+    if temperature == 0:
+        return GREEDY
+    seed = req.seed if req.seed is not None else secrets.randbits(62)
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    top_p = req.top_p if req.top_p is not None else 1.0
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
 
 
 def stop_list(req: Any) -> list[str]:

@@ -48,6 +48,10 @@ class Service:
         self.name = ""
         self.vocab = 0
         self.engine: Engine | None = None
+        # what the resident buckets' samplers honour: a request's seed (False where an
+        # export samples on the Neuron device), and the largest top_k (0: any)
+        self.seeded = True
+        self.max_topk = 0
         self.thread: threading.Thread | None = None
         self.on_failure: Callable[[], None] = lambda: None
 
@@ -77,6 +81,10 @@ class Service:
             resident = model.warm_buckets()
             for bucket in resident:
                 warm(model.slots(bucket))
+            slots = [model.slots(b) for b in resident]
+            self.seeded = all(getattr(s, "seeded", True) for s in slots)
+            limits = [getattr(s, "max_topk", 0) for s in slots if getattr(s, "max_topk", 0)]
+            self.max_topk = min(limits, default=0)
             self.model = model
             self.engine = Engine(
                 model,

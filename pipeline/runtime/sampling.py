@@ -1,0 +1,99 @@
+"""Per-request sampling on the logits a step returns: temperature, top-k, top-p and a seed,
+row by row inside one batch.
+
+The compiled graphs return fp32 logits beside their greedy argmax (``graph_abi``), so a
+greedy row costs nothing here and a sampled row needs no other graph. Rows are sampled
+together (one sort, one softmax over the rows that sample) with the Gumbel-max trick:
+``argmax(logits / T + g)`` with ``g`` Gumbel noise is an exact draw from ``softmax(logits /
+T)`` restricted to the tokens top-k and top-p keep.
+
+The noise is counter-based: a hash of (the request's seed, the index of the token in its
+answer, the vocabulary id), not a generator's state. So a request's tokens depend only on
+its own seed, prompt and the release, never on which rows share its step or in what order
+they joined, and the same seed gives the same answer on every run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported when a row is drawn: the params need none
+    from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. ``temperature`` 0 is greedy (the graph's argmax);
+    ``top_k`` 0 keeps every token; ``top_p`` 1 keeps every token."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"sampling needs temperature ≥ 0, top_p in (0, 1], top_k ≥ 0; got {self}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+GREEDY = SamplingParams()
+
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic; the products wrap)
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_M2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _shr(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """splitmix64's finalizer: every input bit reaches every output bit."""
+    x = (x ^ _shr(x, 30)) * _M1
+    x = (x ^ _shr(x, 27)) * _M2
+    return x ^ _shr(x, 31)
+
+
+def uniform(seeds: Tensor, steps: Tensor, vocab: int) -> Tensor:
+    """fp32 [R, vocab] in (0, 1): a pure function of (seed, step, token id) per element."""
+    import torch
+
+    base = _mix(_mix(seeds) + steps * _GOLDEN)
+    ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device) * _GOLDEN
+    bits = _shr(_mix(base[:, None] ^ ids[None, :]), 40)  # the top 24 bits
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> Tensor:
+    """One token for each row of ``logits`` [R, V] (rows that are not greedy), drawn under
+    its params, the ``steps[r]``-th token of its request. int64 [R], on logits' device."""
+    import torch
+
+    dev = logits.device
+    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    vocab = x.shape[1]
+    if any(p.top_k or p.top_p < 1 for p in params):
+        # The smallest logit each row keeps: top-k's k-th, or top-p's last of the sorted
+        # prefix whose mass first reaches p (the token that crosses p is kept, as in vLLM).
+        top, _ = x.sort(dim=1, descending=True)
+        k = torch.tensor([p.top_k or vocab for p in params], device=dev).clamp(max=vocab)
+        probs = top.softmax(dim=1)
+        before = probs.cumsum(dim=1) - probs  # mass strictly above each sorted token
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        keep = (before < top_p[:, None]) & (torch.arange(vocab, device=dev) < k[:, None])
+        kept = keep.sum(dim=1).clamp(min=1)
+        floor = top.gather(1, (kept - 1)[:, None])
+        x = x.masked_fill(x < floor, float("-inf"))
+    seeds = torch.tensor([p.seed for p in params], dtype=torch.int64, device=dev)
+    u = uniform(seeds, torch.tensor(list(steps), dtype=torch.int64, device=dev), vocab)
+    return (x - torch.log(-torch.log(u))).argmax(dim=1)
