@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import platform
 import shutil
@@ -398,6 +399,43 @@ def slot_prefills(model, vocab: int, device: str, reps: int) -> dict[str, Any]:
     return out
 
 
+def _steps(slots, rows: list[int], n: int) -> None:
+    for _ in range(n):
+        slots.step(rows)
+
+
+def slot_sampling(model, batches: list[int], vocab: int, device: str, reps: int) -> dict:
+    """What sampling costs a decode step: ``Slots.step`` over every slot of each bucket with
+    every row greedy, against every row sampled (temperature 0.7, top_p 0.9, its own seed),
+    host read included, median of ``reps`` timings of 16 steps each."""
+    from pipeline.runtime.sampling import SamplingParams
+
+    out: dict[str, Any] = {}
+    for b in batches:
+        bucket = min((x for x in model.buckets if x.batch == b), key=lambda x: x.seq)
+        slots = model.slots(bucket)
+        rows = list(range(b))
+        figures = {"bucket": bucket.name}
+        for way in ("greedy", "sampled"):
+            ps = prompts(b, 8, vocab, seed=3)
+            params = [SamplingParams(0.7, 0.9, seed=r) for r in rows] if way == "sampled" else None
+            times = []
+            for _ in range(reps):
+                for r, p in zip(rows, ps, strict=True):
+                    slots.prefill(r, p, None if params is None else params[r])
+                steps = functools.partial(_steps, slots, rows, 16)
+                times.append(wall(steps, device) / 16)
+                for r in rows:
+                    slots.free(r)
+            figures[f"{way}_step_ms"] = round(statistics.median(times) * 1e3, 3)
+        figures["sampled_vs_greedy"] = round(
+            figures["sampled_step_ms"] / figures["greedy_step_ms"], 3
+        )
+        out[f"batch{b}"] = figures
+        log(f"slot step, greedy vs sampled, {bucket.name}: {figures}")
+    return out
+
+
 def hf_eager_per_token(
     ckpt: Path, dtype: str, prompt: int, new: int, vocab: int, device: str, reps: int
 ) -> dict[str, float]:
@@ -615,6 +653,7 @@ def main() -> None:
     model = BucketedModel.load(decode_dir)
     model.warmup()
     result["slot_prefill"] = slot_prefills(model, shape.vocab, device, args.reps * 4)
+    result["slot_sampling"] = slot_sampling(model, batches, shape.vocab, device, args.reps)
     save()
     result["decode"] = {}
     for b in batches:
@@ -744,6 +783,12 @@ def print_summary(result: dict[str, Any], floor_ms: float) -> None:
         print(
             f"slot prefill {key:<10} {d['graph_ms']:>8.3f} ms graphed  {d['eager_ms']:>8.3f} ms "
             f"one launch at a time  ({result['slot_prefill']['bucket']})"
+        )
+    for key, d in result.get("slot_sampling", {}).items():
+        print(
+            f"slot step {key:<8} {d['greedy_step_ms']:>8.3f} ms greedy  "
+            f"{d['sampled_step_ms']:>8.3f} ms sampled (T 0.7, top_p 0.9)  "
+            f"{d['sampled_vs_greedy']:.3f}×  ({d['bucket']})"
         )
     p = result["prefill"]
     print(

@@ -416,3 +416,39 @@ def test_a_bucket_with_active_slots_is_never_evicted(neuron_release, standin):
         busy.prefill(0, [1])
     again = runner.slots(b16)
     assert again is not busy and again.prefill(0, [1, 2]) == expected([1, 2], 1, None)[0]
+
+
+def test_sampled_slots_pass_upstreams_rows_and_sample_logits_on_the_host(fake):
+    """On-device sampling: each row's [top_k, top_p, temperature] goes to forward. Logits:
+    the host sampler draws, seeded, and only for the slots asked (a slot fed again beside
+    another's step does not advance its draws)."""
+    from pipeline.runtime.sampling import SamplingParams
+
+    hot = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+    _, slots = in_memory(fake)
+    slots.prefill(0, [1, 2, 3], hot)
+    slots.prefill(1, [4, 5])
+    slots.step([0, 1])
+    rows = forwards(fake)[-1][3]["sampling_params"]  # float32, as upstream takes them
+    assert rows[1] == [1.0, 1.0, 1.0]  # the greedy row
+    assert rows[0] == pytest.approx(slots.sampling_row(hot))
+    assert rows[0] == pytest.approx([float(slots.max_topk), 0.9, 1.0])  # top_k all: max_topk
+
+    def answer(slots, beside: bool) -> list[int]:
+        out = [slots.prefill(2, [7, 8], hot)]
+        if beside:
+            slots.prefill(3, [9, 9, 9])
+        while len(out) < 8:
+            if beside:
+                slots.step([3])  # slot 2 is fed again here: no draw of its own
+            out += slots.step([2])
+        slots.free(2)
+        slots.free(3)
+        return out
+
+    _, host = in_memory(fake, on_device_sampling=False)
+    alone = answer(host, beside=False)
+    assert answer(host, beside=True) == alone
+    assert alone != expected([7, 8], 8, None)  # drawn, not the argmax
+    other = SamplingParams(temperature=1.0, top_p=0.9, seed=4)
+    assert [host.prefill(2, [7, 8], other), *host.step([2])] != alone[:2]

@@ -46,7 +46,7 @@ from torch import Tensor
 
 from pipeline.runtime.cuda_graphs import Recorder, StaticGraph
 from pipeline.runtime.graph_abi import BucketGraphs
-from pipeline.runtime.sampling import GREEDY, SamplingParams, sample
+from pipeline.runtime.sampling import GREEDY, Draws, SamplingParams, draw
 
 EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}  # steps between host syncs (cpu has nothing to queue)
 # Prefill calls recorded as CUDA graphs: up to this many prompts (serve's --max-prefills
@@ -151,12 +151,6 @@ class DecodeSession:
         ``spec.prefill_batch`` prompts): the first new token of each, greedy or drawn under
         its ``sampling`` params (which the slot keeps until it is freed)."""
         inputs = self.graphs.prefill_inputs(slots, [list(p) for p in prompts])
-        graph = self._prefills.get(tuple(inputs[0].shape))
-        if graph is not None:
-            graph(*inputs)
-            logits, nxt = graph.outputs
-        else:
-            logits, nxt = self.graphs.run_prefill(inputs, self.k_cache, self.v_cache)
         params = list(sampling) if sampling is not None else [GREEDY] * len(slots)
         for slot, p in zip(slots, params, strict=True):
             self._drawn.pop(slot, None)
@@ -165,22 +159,29 @@ class DecodeSession:
             else:
                 self._sampling[slot] = p
         drawn = [i for i, p in enumerate(params) if not p.greedy]
-        if drawn:
+        rows = self._draws([slots[i] for i in drawn]) if drawn else None
+        graph = self._prefills.get(tuple(inputs[0].shape))
+        if graph is not None:
+            graph(*inputs)
+            logits, nxt = graph.outputs
+        else:
+            logits, nxt = self.graphs.run_prefill(inputs, self.k_cache, self.v_cache)
+        if rows is not None:
             nxt = nxt.clone()
-            nxt[drawn] = self._draw(logits[drawn], [slots[i] for i in drawn])
+            nxt[drawn] = draw(logits[drawn], rows)
         tokens = nxt.tolist()
         for slot, p, token in zip(slots, prompts, tokens, strict=True):
             self._next[slot], self._last[slot] = len(p), token
         self._synced = None
         return tokens
 
-    def _draw(self, logits: Tensor, slots: Sequence[int]) -> Tensor:
-        """The next token of each of ``slots`` (rows that sample) from its logits row."""
+    def _draws(self, slots: Sequence[int]) -> Draws:
+        """The sampler's rows for the next token of each of ``slots`` (rows that sample),
+        made before the call that computes their logits; counts the draws."""
         steps = [self._drawn.get(s, 0) for s in slots]
-        out = sample(logits, [self._sampling[s] for s in slots], steps)
         for s, n in zip(slots, steps, strict=True):
             self._drawn[s] = n + 1
-        return out
+        return Draws.of([self._sampling[s] for s in slots], steps, self.device)
 
     # ``Slots`` names it ``prefill``; the batch ``prefill`` below (parity's) keeps its name.
     def step(self, slots: Sequence[int]) -> list[int]:
@@ -213,15 +214,17 @@ class DecodeSession:
             self._inputs[0].copy_(torch.tensor(tokens)[:, None])
             self._inputs[1].copy_(torch.tensor(positions))
         n = self.tier(attended)
+        drawn = [r for r in rows if r in self._sampling] if self._sampling else []
+        if drawn:  # copied to the device before the step, so they need not wait for it
+            where = torch.tensor(drawn).to(self.device)
+            picks = self._draws(drawn)
         if self._steps:
             self._steps[n].replay()
             nxt, logits = self._steps[n].outputs
         else:
             nxt, logits = self._greedy_step(*self._inputs, *self._fixed(n))
-        drawn = [r for r in rows if r in self._sampling] if self._sampling else []
         if drawn:  # the step fed its argmax back in: those rows get their drawn token instead
-            where = torch.tensor(drawn, device=self.device)
-            picked = self._draw(logits[where], drawn)
+            picked = draw(logits[where], picks)
             nxt = nxt.clone()
             nxt[where] = picked
             self._inputs[0][where, 0] = picked

@@ -74,26 +74,50 @@ def uniform(seeds: Tensor, steps: Tensor, vocab: int) -> Tensor:
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
+@dataclass(frozen=True)
+class Draws:
+    """The rows of one sampling call, as tensors on the device: made before the step runs,
+    so their copies queue ahead of it instead of waiting for it."""
+
+    floats: Tensor  # fp32 [R, 2]: temperature, top_p
+    ints: Tensor  # int64 [R, 3]: top_k (0: all), seed, step
+    filtered: bool  # some row has a top_k or top_p < 1
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams], steps: Sequence[int], device: object) -> Draws:
+        import torch
+
+        floats = torch.tensor([(p.temperature, p.top_p) for p in params], dtype=torch.float32)
+        ints = torch.tensor(
+            [(p.top_k, p.seed, n) for p, n in zip(params, steps, strict=True)], dtype=torch.int64
+        )
+        filtered = any(p.top_k or p.top_p < 1 for p in params)
+        return cls(floats.to(device), ints.to(device), filtered)
+
+
 def sample(logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> Tensor:
     """One token for each row of ``logits`` [R, V] (rows that are not greedy), drawn under
     its params, the ``steps[r]``-th token of its request. int64 [R], on logits' device."""
+    return draw(logits, Draws.of(params, steps, logits.device))
+
+
+def draw(logits: Tensor, rows: Draws) -> Tensor:
+    """``sample`` with the rows' tensors made beforehand."""
     import torch
 
-    dev = logits.device
-    x = logits.float() / torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    x = logits.float() / rows.floats[:, :1]
     vocab = x.shape[1]
-    if any(p.top_k or p.top_p < 1 for p in params):
+    if rows.filtered:
         # The smallest logit each row keeps: top-k's k-th, or top-p's last of the sorted
         # prefix whose mass first reaches p (the token that crosses p is kept, as in vLLM).
         top, _ = x.sort(dim=1, descending=True)
-        k = torch.tensor([p.top_k or vocab for p in params], device=dev).clamp(max=vocab)
+        k = torch.where(rows.ints[:, 0] > 0, rows.ints[:, 0], vocab).clamp(max=vocab)
         probs = top.softmax(dim=1)
         before = probs.cumsum(dim=1) - probs  # mass strictly above each sorted token
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
-        keep = (before < top_p[:, None]) & (torch.arange(vocab, device=dev) < k[:, None])
+        positions = torch.arange(vocab, device=x.device)
+        keep = (before < rows.floats[:, 1:2]) & (positions < k[:, None])
         kept = keep.sum(dim=1).clamp(min=1)
         floor = top.gather(1, (kept - 1)[:, None])
         x = x.masked_fill(x < floor, float("-inf"))
-    seeds = torch.tensor([p.seed for p in params], dtype=torch.int64, device=dev)
-    u = uniform(seeds, torch.tensor(list(steps), dtype=torch.int64, device=dev), vocab)
+    u = uniform(rows.ints[:, 1], rows.ints[:, 2], vocab)
     return (x - torch.log(-torch.log(u))).argmax(dim=1)
