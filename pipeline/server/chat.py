@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
-from pipeline.server.protocol import ApiError, Sampling, check_fields
+from pipeline.server.protocol import ApiError, CommonFields, check_fields
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -32,21 +32,13 @@ class Message(BaseModel):
     name: str | None = None
 
 
-class ChatRequest(Sampling):
-    # Unknown parameters are refused (as for completions): one silently ignored changes
-    # answers. The OpenAI fields this server cannot honour are refused by name below.
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
+class ChatRequest(CommonFields):
+    # The OpenAI fields this server cannot honour are refused by name in parse_chat.
     messages: list[Message]
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
-    stop: str | list[str] | None = None
-    stream: StrictBool | None = False
-    stream_options: dict[str, Any] | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    user: str | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

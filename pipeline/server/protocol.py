@@ -48,8 +48,11 @@ class ApiError(Exception):
         }
 
 
-class Sampling(BaseModel):
-    """The sampling fields of both completion routes."""
+class CommonFields(BaseModel):
+    """The fields both completion routes share: the model, sampling, stop and streaming.
+    Unknown parameters are refused: a sampler option silently ignored changes answers."""
+
+    model_config = ConfigDict(extra="forbid")
 
     # Strict ints and bools: JSON true is not 1, and "16" is not a number (lax pydantic
     # would take both, and a prompt of [true] would run as token 1).
@@ -61,23 +64,20 @@ class Sampling(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     seed: StrictInt | None = None  # the same seed, prompt and release: the same tokens
-
-
-class CompletionRequest(Sampling):
-    # Unknown parameters are refused: a sampler option silently ignored changes answers.
-    model_config = ConfigDict(extra="forbid")
-
     model: str
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = DEFAULT_MAX_TOKENS
     stop: str | list[str] | None = None
     stream: StrictBool | None = False
     stream_options: dict[str, Any] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(CommonFields):
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = DEFAULT_MAX_TOKENS
     best_of: StrictInt | None = None
     logprobs: StrictInt | None = None
     echo: StrictBool | None = None
     suffix: str | None = None
-    user: str | None = None
 
 
 # parameter -> (the value that means "off", why it cannot be honoured)
@@ -89,7 +89,7 @@ _GREEDY_ONLY = {
 }
 
 
-M = TypeVar("M", bound=Sampling)
+M = TypeVar("M", bound=CommonFields)
 
 
 def check_fields(cls: type[M], body: Any) -> M:
@@ -140,7 +140,7 @@ def parse_request(body: Any) -> CompletionRequest:
     return req
 
 
-def sampling_of(req: Sampling) -> SamplingParams:
+def sampling_of(req: CommonFields) -> SamplingParams:
     """The request's sampling: greedy when ``temperature`` is 0 or left out (this server's
     default; OpenAI's is 1), else drawn with its seed, or a fresh random one."""
     temperature = req.temperature or 0.0
