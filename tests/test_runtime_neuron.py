@@ -418,7 +418,7 @@ def test_a_bucket_with_active_slots_is_never_evicted(neuron_release, standin):
     assert again is not busy and again.prefill(0, [1, 2]) == expected([1, 2], 1, None)[0]
 
 
-def test_sampled_slots_pass_upstreams_rows_and_sample_logits_on_the_host(fake):
+def test_sampled_slots_pass_upstreams_rows_and_sample_logits_on_the_host(fake, caplog):
     """On-device sampling: each row's [top_k, top_p, temperature] goes to forward. Logits:
     the host sampler draws, seeded, and only for the slots asked (a slot fed again beside
     another's step does not advance its draws)."""
@@ -446,7 +446,9 @@ def test_sampled_slots_pass_upstreams_rows_and_sample_logits_on_the_host(fake):
         slots.free(3)
         return out
 
-    _, host = in_memory(fake, on_device_sampling=False)
+    with caplog.at_level("INFO", logger="inf2_pipeline.runtime"):
+        _, host = in_memory(fake, on_device_sampling=False)
+    assert "picked on the host" in caplog.text  # the runner says what it does instead
     alone = answer(host, beside=False)
     assert answer(host, beside=True) == alone
     assert alone != expected([7, 8], 8, None)  # drawn, not the argmax

@@ -36,6 +36,7 @@ Inferentia hardware here.
 from __future__ import annotations
 
 import gc
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -78,6 +79,7 @@ def import_optimum_neuron(what: str) -> Any:
 # and must pass sampling.py:102-146 where sampling is on the device (modeling_decoder.py:377).
 GREEDY = (1.0, 1.0, 1.0)
 _GREEDY_PARAMS = SamplingParams()
+log = logging.getLogger("inf2_pipeline.runtime")
 
 
 class NeuronSlots:
@@ -142,6 +144,12 @@ class NeuronSlots:
         # the largest top_k the device sampler takes (config.py:73, default 256); on the host
         # any k up to the vocabulary (vllm/runner.py:253-258)
         self.max_topk = int(getattr(nc, "max_topk", 0) or 0) if self.on_device_sampling else 0
+        if not self.on_device_sampling:  # e.g. Qwen2/3 at tp 2 under continuous batching
+            log.info(
+                "bucket %s: the export returns logits (no on-device sampling, "
+                "modeling_qwen2.py:117-125): tokens are picked on the host, greedy or sampled",
+                bucket.name,
+            )
         # Slots that sample (the rest are greedy): their params, and tokens drawn so far
         # (the host sampler's counter; the device keeps its own generator).
         self._sampling: dict[int, SamplingParams] = {}
