@@ -1097,3 +1097,59 @@ def test_steps_failing_in_a_row_stop_the_engine_and_fail_everything_it_holds():
     assert isinstance(error, EngineFailed) and f"{FAIL_AFTER} steps failed" in str(error)
     with pytest.raises(Closed):
         engine.submit(request([1, 2], 2))
+
+
+def test_text_stream_deltas_add_up_to_the_whole_decode(tiny_checkpoint):
+    """Incremental decoding (a window of context, not every id again) gives exactly the
+    text of decoding every id at once, token by token or several at a time, also across
+    special tokens, which the text skips."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_checkpoint))
+    rng = random.Random(0)
+    for trial in range(40):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 120))]
+        t = TextStream(tok, [])
+        out, at = [], 0
+        while at < len(ids):
+            n = rng.choice((1, 1, 1, 2, 5))
+            out.append(t.push(ids[at : at + n]))
+            at += n
+        out.append(t.flush())
+        assert "".join(out) == tok.decode(ids, skip_special_tokens=True), trial
+
+
+def test_text_stream_with_byte_level_tokens_that_split_characters():
+    """GPT-2/Llama 3 style byte-level BPE: a character can take several tokens; the deltas
+    never show half of one, and add up to the whole decode."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["Grüße aus Köln, 東京 und São Paulo! 🚀 naïve café — ok", "plain ascii words here"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    rng = random.Random(1)
+    text = "東京 🚀 Grüße, naïve café; São Paulo 東京🚀🚀 ok"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert len(ids) > len(text) // 2  # several tokens for some characters
+    for trial in range(20):
+        t = TextStream(tok, [])
+        out, at = [], 0
+        while at < len(ids):
+            n = rng.choice((1, 1, 2, 3))
+            piece = t.push(ids[at : at + n])
+            assert "\ufffd" not in piece, (trial, piece)
+            out.append(piece)
+            at += n
+        out.append(t.flush())
+        assert "".join(out) == text, trial

@@ -27,13 +27,22 @@ def load_tokenizer(release_dir: Path) -> Any | None:
         ) from None
 
 
+# Tokens decoded before the new ones, for their context: detokenizers join a token with
+# its neighbours (a leading space, a character split over byte tokens), so the new text is
+# what a window of the last few tokens decodes to beyond what its start alone decodes to.
+CONTEXT_TOKENS = 6
+
+
 class TextStream:
     """Token ids in, text deltas out; stops at the first stop string (which is not sent).
 
-    Text is decoded from all ids so far (byte-level tokens can split a character, and
-    detokenizers join tokens with context), and a delta ending in an incomplete character
-    (U+FFFD) is held back. With stop strings, the last ``len(longest) - 1`` characters wait
-    too, until it is clear they do not begin a stop string.
+    Text is decoded incrementally: each push decodes a window of ``CONTEXT_TOKENS`` tokens
+    before the new ones plus the new ones, and adds what that window decodes to beyond its
+    start (the offsets technique of vLLM's and TGI's detokenizers), so a long answer costs
+    the same per token as a short one instead of decoding every id again. A delta ending in
+    an incomplete character (U+FFFD: byte-level tokens can split one) is held back until the
+    next token completes it. With stop strings, the last ``len(longest) - 1`` characters
+    wait too, until it is clear they do not begin a stop string.
     """
 
     def __init__(self, tokenizer: Any | None, stop: list[str]) -> None:
@@ -44,6 +53,20 @@ class TextStream:
         self.text = ""  # everything decoded so far
         self.sent = 0  # characters of ``text`` already given out
         self.stopped = False
+        self._prefix = 0  # the context window starts here ...
+        self._read = 0  # ... and the ids not yet in ``text`` start here
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _advance(self) -> None:
+        """Add the text of the ids past ``_read`` to ``text``, unless it ends mid-character."""
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self._prefix = max(0, len(self.ids) - CONTEXT_TOKENS)
+            self._read = len(self.ids)
 
     def push(self, ids: list[int]) -> str:
         """The new text to send; sets ``stopped`` when a stop string appeared."""
@@ -51,11 +74,10 @@ class TextStream:
             self.ids += ids
             return ""
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        self.text = text
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        self._advance()
+        text = self.text
+        # a stop string cannot begin in what was sent: that much was held back for it
+        hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
             return self._take(min(hits))
@@ -65,7 +87,10 @@ class TextStream:
         """The text held back, once no more tokens come."""
         if self.stopped or self.tokenizer is None:
             return ""
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if self._read < len(self.ids):  # what was held back, as it decodes in the end
+            before = self._decode(self.ids[self._prefix : self._read])
+            self.text += self._decode(self.ids[self._prefix :])[len(before) :]
+            self._read = len(self.ids)
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
