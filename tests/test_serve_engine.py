@@ -1153,3 +1153,33 @@ def test_text_stream_with_byte_level_tokens_that_split_characters():
             at += n
         out.append(t.flush())
         assert "".join(out) == text, trial
+
+
+class _CharTok:  # one character per id
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_tokens_that_piled_up_go_out_in_one_event_and_a_stop_ends_at_its_token():
+    from types import SimpleNamespace
+
+    from pipeline.server.app import _tokens
+
+    cancelled = []
+    service = SimpleNamespace(engine=SimpleNamespace(cancel=cancelled.append))
+
+    async def events(stop: list[str], *sent) -> list:
+        job = request([1], 10)
+        for e in sent:
+            job.events.put_nowait(e)
+        return [e async for e in _tokens(service, job, TextStream(_CharTok(), stop))]
+
+    def t(s: str) -> Tokens:
+        return Tokens([ord(c) for c in s])
+
+    ids = [ord(c) for c in "abc"]
+    got = asyncio.run(events([], t("a"), t("b"), t("c"), Finished("length")))
+    assert got == [("text", ("abc", ids)), ("text", ("", [])), ("done", "length")]
+    # a stop string inside what piled up: the text and the ids end at its token
+    got = asyncio.run(events(["bc"], t("a"), t("b"), t("cd"), t("e"), Finished("length")))
+    assert got == [("text", ("a", ids)), ("done", "stop")] and len(cancelled) == 1

@@ -128,12 +128,30 @@ async def _answer(
 
 async def _tokens(service: Service, job: Job, text: TextStream) -> AsyncIterator[tuple[str, Any]]:
     """The job's events as ("text", (delta, ids)) and finally ("done", reason); stops early
-    (and frees the slot) when a stop string appears."""
+    (and frees the slot) when a stop string appears.
+
+    Tokens already waiting are sent together: when the event loop falls behind the engine
+    (many streams, one GIL), each client gets one event for what piled up instead of one
+    per token, so the loop's work per token falls exactly when it must."""
+    queue = job.events
+    event: Any = None
     while True:
-        event = await job.events.get()
+        event = event or await queue.get()
         if isinstance(event, Tokens):
-            delta = text.push(event.ids)
-            yield "text", (delta, event.ids)
+            ids, event = list(event.ids), None
+            while event is None and not queue.empty():
+                waiting = queue.get_nowait()
+                if isinstance(waiting, Tokens):
+                    ids += waiting.ids
+                else:
+                    event = waiting  # the end: handled after these tokens
+            delta, sent = "", []
+            for token in ids:  # one at a time: a stop string ends at its own token
+                delta += text.push([token])
+                sent.append(token)
+                if text.stopped:
+                    break
+            yield "text", (delta, sent)
             if text.stopped:
                 service.engine.cancel(job)  # type: ignore[union-attr]
                 yield "done", "stop"
