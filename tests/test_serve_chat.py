@@ -289,3 +289,17 @@ def test_the_demo_release_carries_the_chat_template(installed):
 
     tok = AutoTokenizer.from_pretrained(str(installed[1] / "current"), local_files_only=True)
     assert tok.chat_template == CHAT_TEMPLATE
+
+
+def test_chat_max_tokens_sets_the_answer_length_a_chat_names_none_of(installed, tmp_path):
+    log = tmp_path / "serve.log"
+    with ServerProcess(installed[1], log, "--chat-max-tokens", "3") as s:
+        s.wait_ready()
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=CHAT)
+        assert r.usage.completion_tokens <= 3
+        if r.choices[0].finish_reason == "length":
+            assert r.usage.completion_tokens == 3
+        # a request's own max_tokens still wins
+        r = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6)
+        assert r.usage.completion_tokens == 6 or r.choices[0].finish_reason == "stop"

@@ -52,6 +52,17 @@ def serve(
             "a bucket admits only when all its rows are done (the old way, to compare).",
         ),
     ] = "iteration",
+    chat_max_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--chat-max-tokens",
+            min=1,
+            show_default=False,
+            help="Tokens a chat answer may have when the request names no max_tokens "
+            "(default: all the largest bucket holds after the prompt; a request needing fewer "
+            "positions fits a shorter bucket).",
+        ),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -97,5 +108,6 @@ def serve(
             overflow=overflow,
             batching=batching,
             api_key=api_key,
+            chat_max_tokens=chat_max_tokens,
         )
     )

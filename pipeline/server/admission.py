@@ -47,8 +47,10 @@ async def admit_chat(service: Any, body: Any) -> tuple[Job, chat.ChatRequest, in
     except ApiError:
         service.metrics.requests.labels("invalid").inc()
         raise
-    if req.max_tokens is None:  # as many as the largest bucket holds after the prompt
-        req.max_tokens = max(1, room(service, len(prompt)))
+    if req.max_tokens is None:  # serve's default, at most what the largest bucket holds
+        most = max(1, room(service, len(prompt)))
+        default = getattr(service.options, "chat_max_tokens", None)
+        req.max_tokens = min(default, most) if default else most
     return _queue(service, prompt, req.max_tokens, sampling), req, len(prompt)
 
 

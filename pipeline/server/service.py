@@ -33,6 +33,9 @@ class ServeOptions:
     overflow: bool = False  # open a smaller idle bucket beside a full running one
     batching: str = "iteration"  # or "static": the batch-at-a-time baseline
     api_key: str | None = None  # required as `Authorization: Bearer` on /v1 when set
+    # a chat answer's length when the request names none (None: what the largest bucket
+    # holds after the prompt, as vLLM's default; a long reserve lands in the longest bucket)
+    chat_max_tokens: int | None = None
 
 
 class Service:
