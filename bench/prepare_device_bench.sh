@@ -9,8 +9,9 @@
 #   PYTHONPATH=/tmp/site:$PWD python3 bench/bench_pull.py --gib 4 --shapes 4,64 \
 #     --nginx .devrun/bin/nginx-wrap --s5cmd .devrun/bin/s5cmd --out $OUT/results.json
 # The wheels also hold the CLI's and the server's packages (bench/bench_serve.py runs serve as
-# the CLI does; the device image may lack them), and peers/ (git-ignored;
-# carry it too) the serve bench's peer and the trace it replays.
+# the CLI does; the device image may lack them), and peers/ (git-ignored; carry it too) the
+# serve bench's peer, the trace it replays and gpt-fast (bench_cuda_decode.py's peer).
+# bench/device_round.sh then runs a whole GPU round in as many calls as it takes.
 set -eu
 PY=${1:-.venv/bin/python}
 D=.devrun
@@ -21,8 +22,9 @@ tmp=$(mktemp -d)
 cp "$tmp/x/usr/sbin/nginx" "$D/bin/nginx"
 rm -rf "$tmp"
 # ../shared is read-only: the copies are made writable, so that a later run can replace them.
-mkdir -p peers && rm -rf peers/hf-continuous-batching
-cp -r ../shared/peers/hf-continuous-batching ../shared/traces/AzureLLMInferenceTrace_conv.csv peers/
+mkdir -p peers && rm -rf peers/hf-continuous-batching peers/gpt-fast
+cp -r ../shared/peers/hf-continuous-batching ../shared/peers/gpt-fast \
+  ../shared/traces/AzureLLMInferenceTrace_conv.csv peers/
 chmod -R u+w peers
 cp -L /lib/x86_64-linux-gnu/libcrypt.so.1 /lib/x86_64-linux-gnu/libpcre2-8.so.0 "$D/bin/lib/"
 printf '#!/bin/sh\nd=$(dirname "$(readlink -f "$0")")\nLD_LIBRARY_PATH="$d/lib" exec "$d/nginx" "$@"\n' \

@@ -1,0 +1,45 @@
+#!/bin/bash
+# A GPU round of the serve and decode benches, in as many device calls as it takes: each call
+# runs the next stages not yet done (markers in work/round/, kept while the machine stays
+# warm) while its time lasts, and copies every figure to $OUT. Prepare first with
+# bench/prepare_device_bench.sh; then call, carrying .devrun and peers, until it says done:
+#   bash bench/device_round.sh            (BUDGET=seconds per call, default 575)
+unset CXX  # the device image's wrapper breaks AOTInductor packages
+T0=$(date +%s); BUDGET=${BUDGET:-575}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .devrun/whl/*.whl 2>/dev/null
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+R=work/round; mkdir -p "$R"
+D=work/bench-cuda/models/bench-llama-3.2-1b-decode
+L=work/bench-cuda/models/bench-llama-3.2-1b-prefill
+PEER=(--peer peers/hf-continuous-batching/peer_serve.py --trace peers/AzureLLMInferenceTrace_conv.csv)
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+stage() {  # name, least seconds it needs, command...: false when this call is out of time
+  local name=$1 min=$2; shift 2
+  [ -e "$R/$name.done" ] && return 0
+  local l; l=$(left)
+  if [ "$l" -lt "$min" ]; then echo "== $name: $l s left < $min: call again"; return 1; fi
+  echo "== $name ($l s left) $(date -u +%T)"
+  timeout -s INT -k 10 "$l" "$@" >"$R/$name.log" 2>&1; local rc=$?
+  pkill -f "from pipeline.cli import main" 2>/dev/null; pkill -f peer_serve.py 2>/dev/null
+  echo "== $name rc=$rc $(date -u +%T)"; tail -30 "$R/$name.log"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then return 1; fi  # cut short: again next call
+  touch "$R/$name.done"
+}
+run() {
+  stage compile 120 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
+    --long-batches 1,8,32 --compile-only --out "$R/compile.json" || return
+  stage serve256 240 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
+    --ways lone,serve,sampled,static --tolerate-mismatch "${PEER[@]}" \
+    --json "$R/serve-s256.json" || return
+  stage serve2048 360 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
+    --ways lone,serve,sampled,static --tolerate-mismatch "${PEER[@]}" \
+    --json "$R/serve-s2048.json" || return
+  stage decode 260 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
+    --long-batches 1,8,32 --out "$R/cuda-decode.json" || return
+  stage sampler 60 python3 bench/bench_sampler.py || return
+  echo "== done"
+}
+run
+# the figures, not the logs of every server (the copy back has a file count limit)
+cp "$R"/*.json "$R"/sampler.log "$OUT"/ 2>/dev/null; ls "$R"
