@@ -8,9 +8,11 @@ together (one sort, one softmax over the rows that sample) with the Gumbel-max t
 T)`` restricted to the tokens top-k and top-p keep.
 
 The noise is counter-based: a hash of (the request's seed, the index of the token in its
-answer, the vocabulary id), not a generator's state. So a request's tokens depend only on
-its own seed, prompt and the release, never on which rows share its step or in what order
-they joined, and the same seed gives the same answer on every run.
+answer, the vocabulary id), not a generator's state; seed and index are mixed on the host,
+so the device hashes each element once (the sampler is launch-bound on a GPU). So a
+request's tokens depend only on its own seed, prompt and the release, never on which rows
+share its step or in what order they joined, and the same seed gives the same answer on
+every run.
 """
 
 from __future__ import annotations
@@ -46,32 +48,57 @@ class SamplingParams:
 
 GREEDY = SamplingParams()
 
-# splitmix64's constants as signed int64 (torch has no uint64 arithmetic; the products wrap)
-_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_M2 = 0x94D049BB133111EB - (1 << 64)
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+# splitmix64's constants, and as signed int64 for torch (no uint64 arithmetic; products wrap)
+_U1, _U2, _UG = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0x9E3779B97F4A7C15
+_M1, _M2, _GOLDEN = _U1 - (1 << 64), _U2 - (1 << 64), _UG - (1 << 64)
+_MASK = (1 << 64) - 1
+_KEYS: dict[tuple[int, str], Tensor] = {}  # (vocab, device) -> each token id's key
 
 
 def _shr(x: Tensor, s: int) -> Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic: it would copy the sign
+    bit down, and the xor would always clear it)."""
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def _mix(x: Tensor) -> Tensor:
-    """splitmix64's finalizer: every input bit reaches every output bit."""
+def _mix_int(x: int) -> int:
+    """splitmix64's finalizer on the host: every input bit reaches every output bit."""
+    x = ((x ^ (x >> 30)) * _U1) & _MASK
+    x = ((x ^ (x >> 27)) * _U2) & _MASK
+    return x ^ (x >> 31)
+
+
+def row_key(seed: int, step: int) -> int:
+    """One row's key (signed int64): its request's seed and the index of the token drawn,
+    mixed on the host, so the device mixes only once per element."""
+    # the Weyl increments keep a zero seed or step from hashing to zero
+    x = _mix_int((_mix_int((seed + _UG) & _MASK) + (step + 1) * _UG) & _MASK)
+    return x - (1 << 64) if x >> 63 else x
+
+
+def noise(keys: Tensor, vocab: int) -> Tensor:
+    """fp32 [R, vocab] in (0, 1) from the rows' keys (``row_key``): each element splitmix64
+    of its row's key xor its token id's key; the same bits on every device."""
+    import torch
+
+    ids = _KEYS.get((vocab, str(keys.device)))
+    if ids is None:
+        ids = torch.arange(vocab, dtype=torch.int64, device=keys.device) * _GOLDEN
+        _KEYS[vocab, str(keys.device)] = ids
+    x = keys[:, None] ^ ids[None, :]
     x = (x ^ _shr(x, 30)) * _M1
     x = (x ^ _shr(x, 27)) * _M2
-    return x ^ _shr(x, 31)
+    x = x ^ _shr(x, 31)
+    bits = _shr(x, 40)  # the top 24 bits
+    return bits.to(torch.float32).mul_(1.0 / (1 << 24)).add_(0.5 / (1 << 24))
 
 
 def uniform(seeds: Tensor, steps: Tensor, vocab: int) -> Tensor:
-    """fp32 [R, vocab] in (0, 1): a pure function of (seed, step, token id) per element."""
+    """``noise`` for rows given as seed and step tensors."""
     import torch
 
-    base = _mix(_mix(seeds) + steps * _GOLDEN)
-    ids = torch.arange(vocab, dtype=torch.int64, device=seeds.device) * _GOLDEN
-    bits = _shr(_mix(base[:, None] ^ ids[None, :]), 40)  # the top 24 bits
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    keys = [row_key(s, n) for s, n in zip(seeds.tolist(), steps.tolist(), strict=True)]
+    return noise(torch.tensor(keys, dtype=torch.int64).to(seeds.device), vocab)
 
 
 @dataclass(frozen=True)
@@ -80,7 +107,7 @@ class Draws:
     so their copies queue ahead of it instead of waiting for it."""
 
     floats: Tensor  # fp32 [R, 2]: temperature, top_p
-    ints: Tensor  # int64 [R, 3]: top_k (0: all), seed, step
+    ints: Tensor  # int64 [R, 2]: top_k (0: all), the row's key (seed and step, mixed)
     filtered: bool  # some row has a top_k or top_p < 1
 
     @classmethod
@@ -89,7 +116,8 @@ class Draws:
 
         floats = torch.tensor([(p.temperature, p.top_p) for p in params], dtype=torch.float32)
         ints = torch.tensor(
-            [(p.top_k, p.seed, n) for p, n in zip(params, steps, strict=True)], dtype=torch.int64
+            [(p.top_k, row_key(p.seed, n)) for p, n in zip(params, steps, strict=True)],
+            dtype=torch.int64,
         )
         filtered = any(p.top_k or p.top_p < 1 for p in params)
         return cls(floats.to(device), ints.to(device), filtered)
@@ -119,5 +147,5 @@ def draw(logits: Tensor, rows: Draws) -> Tensor:
         kept = keep.sum(dim=1).clamp(min=1)
         floor = top.gather(1, (kept - 1)[:, None])
         x = x.masked_fill(x < floor, float("-inf"))
-    u = uniform(rows.ints[:, 1], rows.ints[:, 2], vocab)
-    return (x - torch.log(-torch.log(u))).argmax(dim=1)
+    gumbel = noise(rows.ints[:, 1], vocab).log_().neg_().log_()  # −g: log(−log u)
+    return (x - gumbel).argmax(dim=1)
