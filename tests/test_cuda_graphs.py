@@ -262,3 +262,33 @@ def test_slots_join_leave_and_skip_steps_each_equal_alone(demo_buckets, recorded
     assert new == alone.generate([c], 5, None)[0]
     with pytest.raises(RuntimeError, match="slots are in use"):
         slots.session.generate([a], 2, None)  # whole-batch calls would clobber them
+
+
+def test_sampled_slots_replayed_as_graphs_equal_eager_ones(demo_buckets):
+    """The sampled path through recorded step and prefill graphs (their static inputs get
+    the drawn token written back) gives the eager session's tokens for the same seeds,
+    greedy rows beside it included, with rows held while others step."""
+    from pipeline.runtime.decode_session import DecodeSession, SessionSlots
+    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.sampling import SamplingParams
+
+    graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
+    hot = SamplingParams(temperature=1.1, top_k=40, seed=21)
+
+    def run(recorder) -> list[list[int]]:
+        slots = SessionSlots(DecodeSession(graphs, recorder=recorder))
+        got = [[], []]
+        first = slots.prefill_many([0, 1], [[5, 17, 42], [9, 9, 9, 9]], [hot, SamplingParams()])
+        for row, t in enumerate(first):
+            got[row].append(t)
+        for i in range(8):
+            got[i % 2] += slots.step([i % 2])  # the other row is held a step
+            for row, t in enumerate(slots.step([0, 1])):
+                got[row].append(t)
+        return got
+
+    eager, replayed = run(None), run(ReplayRecorder())
+    assert replayed == eager
+    greedy = DecodeSession(BucketGraphs(demo_buckets / "b1_s64", weights=graphs.weights))
+    assert eager[1] == greedy.generate([[9, 9, 9, 9]], len(eager[1]), None)[0]
+    assert eager[0] != greedy.generate([[5, 17, 42]], len(eager[0]), None)[0]
