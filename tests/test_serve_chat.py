@@ -303,3 +303,14 @@ def test_chat_max_tokens_sets_the_answer_length_a_chat_names_none_of(installed, 
         # a request's own max_tokens still wins
         r = c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6)
         assert r.usage.completion_tokens == 6 or r.choices[0].finish_reason == "stop"
+
+
+def test_messages_too_long_for_any_bucket_are_refused_before_rendering(server):
+    huge = [{"role": "user", "content": "x" * (64 * 64 + 1)}]  # the largest bucket is s64
+    status, body, _ = post(
+        server.url + "/v1/chat/completions",
+        {"model": MODEL, "messages": huge},
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert body["error"]["param"] == "messages"

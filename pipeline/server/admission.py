@@ -26,11 +26,12 @@ async def admit(service: Any, body: Any) -> tuple[Job, protocol.CompletionReques
         req = protocol.parse_request(body)
         _served(service, req.model)
         prompt = await token_ids(service, protocol.one_prompt(req), req)
+        sampling = _sampling(service, req)
     except ApiError:
         service.metrics.requests.labels("invalid").inc()
         raise
     assert req.max_tokens is not None
-    return _queue(service, prompt, req.max_tokens, _sampling(service, req)), req, len(prompt)
+    return _queue(service, prompt, req.max_tokens, sampling), req, len(prompt)
 
 
 async def admit_chat(service: Any, body: Any) -> tuple[Job, chat.ChatRequest, int]:
@@ -41,6 +42,7 @@ async def admit_chat(service: Any, body: Any) -> tuple[Job, chat.ChatRequest, in
         req = chat.parse_chat(body)
         _served(service, req.model)
         messages = chat.conversation(req)
+        _fits(service, sum(len(m["content"]) for m in messages), "messages")
         ids = await asyncio.to_thread(chat.render, service.tokenizer, messages)
         prompt = await token_ids(service, ids, req)
         sampling = _sampling(service, req)
@@ -127,6 +129,19 @@ def _queue(service: Any, prompt: list[int], max_tokens: int, sampling: SamplingP
     return job
 
 
+def _fits(service: Any, chars: int, param: str) -> None:
+    """Refuse text that cannot fit the largest bucket before the tokenizer spends on it."""
+    longest = service.engine.largest.seq
+    if chars > longest * MAX_CHARS_PER_POSITION:
+        raise ApiError(
+            400,
+            f"{param} of {chars} characters cannot fit the largest bucket ({longest} "
+            f"positions): shorten the {param}",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 def unavailable(message: str, code: str | None = None) -> ApiError:
     """503 with Retry-After: come back in a moment."""
     return ApiError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -142,16 +157,7 @@ async def token_ids(service: Any, prompt: str | list[int], req: Any) -> list[int
                 "this release has no tokenizer: send the prompt as a list of token ids",
                 param="prompt",
             )
-        longest = service.engine.largest.seq
-        limit = longest * MAX_CHARS_PER_POSITION
-        if len(prompt) > limit:
-            raise ApiError(
-                400,
-                f"prompt of {len(prompt)} characters cannot fit the largest bucket "
-                f"({longest} positions): shorten the prompt",
-                param="prompt",
-                code="context_length_exceeded",
-            )
+        _fits(service, len(prompt), "prompt")
         # Off the event loop: a long prompt must not stall /health and the other requests.
         ids = list((await asyncio.to_thread(service.tokenizer, prompt)).input_ids)
     else:
