@@ -38,6 +38,13 @@ run() {
   stage decode 260 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches 1,8,32 --out "$R/cuda-decode.json" || return
   stage sampler 60 python3 bench/bench_sampler.py || return
+  # the policy choices the defaults rest on, each beside the default of the runs above
+  stage coalesce256 120 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
+    --ways serve --tolerate-mismatch --serve-arg=--coalesce --json "$R/serve-s256-coalesce.json" \
+    || return
+  stage overflow2048 150 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 64 \
+    --ways serve --tolerate-mismatch --serve-arg=--overflow --json "$R/serve-s2048-overflow.json" \
+    || return
   echo "== done"
 }
 run

@@ -1160,13 +1160,15 @@ class _CharTok:  # one character per id
         return "".join(chr(i) for i in ids)
 
 
-def test_tokens_that_piled_up_go_out_in_one_event_and_a_stop_ends_at_its_token():
+def test_coalesced_tokens_go_out_in_one_event_and_a_stop_ends_at_its_token():
     from types import SimpleNamespace
 
     from pipeline.server.app import _tokens
 
     cancelled = []
-    service = SimpleNamespace(engine=SimpleNamespace(cancel=cancelled.append))
+    service = SimpleNamespace(
+        engine=SimpleNamespace(cancel=cancelled.append), options=SimpleNamespace(coalesce=True)
+    )
 
     async def events(stop: list[str], *sent) -> list:
         job = request([1], 10)

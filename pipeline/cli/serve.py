@@ -63,6 +63,14 @@ def serve(
             "positions fits a shorter bucket).",
         ),
     ] = None,
+    coalesce: Annotated[
+        bool,
+        typer.Option(
+            "--coalesce/--no-coalesce",
+            help="Send a stream's tokens that piled up while the event loop was busy in one "
+            "event (less work per token under load) rather than one event per token.",
+        ),
+    ] = False,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -109,5 +117,6 @@ def serve(
             batching=batching,
             api_key=api_key,
             chat_max_tokens=chat_max_tokens,
+            coalesce=coalesce,
         )
     )

@@ -130,16 +130,17 @@ async def _tokens(service: Service, job: Job, text: TextStream) -> AsyncIterator
     """The job's events as ("text", (delta, ids)) and finally ("done", reason); stops early
     (and frees the slot) when a stop string appears.
 
-    Tokens already waiting are sent together: when the event loop falls behind the engine
-    (many streams, one GIL), each client gets one event for what piled up instead of one
-    per token, so the loop's work per token falls exactly when it must."""
+    With ``serve --coalesce``, tokens already waiting are sent together: when the event loop
+    falls behind the engine (many streams, one GIL), each client gets one event for what
+    piled up instead of one per token, so the loop's work per token falls when it must."""
     queue = job.events
+    coalesce = service.options.coalesce
     event: Any = None
     while True:
         event = event or await queue.get()
         if isinstance(event, Tokens):
             ids, event = list(event.ids), None
-            while event is None and not queue.empty():
+            while coalesce and event is None and not queue.empty():
                 waiting = queue.get_nowait()
                 if isinstance(waiting, Tokens):
                     ids += waiting.ids

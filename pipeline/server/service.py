@@ -36,6 +36,9 @@ class ServeOptions:
     # a chat answer's length when the request names none (None: what the largest bucket
     # holds after the prompt, as vLLM's default; a long reserve lands in the longest bucket)
     chat_max_tokens: int | None = None
+    # a stream sends the tokens that piled up while the event loop was busy in one event
+    # (less loop work per token under load; off: one event per token, always)
+    coalesce: bool = False
 
 
 class Service:
