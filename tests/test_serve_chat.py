@@ -183,6 +183,8 @@ def test_sampling_a_release_cannot_honour_is_a_400():
         ({"messages": [{"role": "user"}]}, 400, "messages.0.content"),
         ({"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content.str"),
         ({"temperature": -0.5}, 400, "temperature"),
+        ({"temperature": float("nan")}, 400, "temperature"),
+        ({"top_p": float("inf")}, 400, "top_p"),
         ({"top_p": 0}, 400, "top_p"),
         ({"top_p": 1.5}, 400, "top_p"),
         ({"logprobs": True}, 400, "logprobs"),

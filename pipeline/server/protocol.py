@@ -8,6 +8,7 @@ says so, never silently ignored.
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 import uuid
@@ -107,6 +108,10 @@ def check_fields(cls: type[M], body: Any) -> M:
         else:
             msg = f"invalid '{param}': {err['msg']}"
         raise ApiError(400, msg, param=param) from None
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not math.isfinite(value):  # JSON's NaN and Infinity parse
+            raise ApiError(400, f"{name} must be a finite number, got {value}", param=name)
     if req.temperature is not None and req.temperature < 0:
         raise ApiError(400, "temperature must be ≥ 0", param="temperature")
     if req.top_p is not None and not 0 < req.top_p <= 1:
