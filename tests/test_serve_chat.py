@@ -69,6 +69,14 @@ def test_greedy_chat_equals_hugging_face_apply_chat_template_and_generate(client
     assert again.choices[0].message.content == text
 
 
+def test_a_conversation_can_send_back_an_answers_message_as_it_came(client):
+    first = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+    echoed = first.choices[0].message.model_dump()  # with refusal, tool_calls ... as None
+    turns = [*CHAT, echoed, {"role": "user", "content": "More?"}]
+    r = client.chat.completions.create(model=MODEL, messages=turns, max_tokens=4)
+    assert r.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
 def test_streamed_chat_is_the_whole_answer_in_deltas_with_usage_last(client):
     whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12)
     chunks = list(
@@ -181,6 +189,11 @@ def test_sampling_a_release_cannot_honour_is_a_400():
         ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
         ({"messages": [{"role": "tool", "content": "42"}]}, 400, "messages.0.role"),
         ({"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+        (
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}]},
+            400,
+            "messages.0.tool_calls",
+        ),
         ({"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content.str"),
         ({"temperature": -0.5}, 400, "temperature"),
         ({"temperature": float("nan")}, 400, "temperature"),

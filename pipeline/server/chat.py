@@ -30,6 +30,13 @@ class Message(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # What a client sends back when it appends an earlier answer's message object as it
+    # came (the openai SDK's ChatCompletionMessage has them): accepted while empty.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
 
 
 class ChatRequest(CommonFields):
@@ -58,6 +65,14 @@ def parse_chat(body: Any) -> ChatRequest:
                 f"serve); use one of {', '.join(ROLES)}",
                 param=f"messages.{i}.role",
             )
+        for field in ("tool_calls", "function_call", "audio"):
+            if getattr(m, field):
+                raise ApiError(
+                    400,
+                    f"messages[{i}].{field} is not supported by this server (no tool calling "
+                    "or audio)",
+                    param=f"messages.{i}.{field}",
+                )
         if m.content is None:
             raise ApiError(400, f"messages[{i}] has no content", param=f"messages.{i}.content")
     if req.logprobs or req.top_logprobs is not None:
