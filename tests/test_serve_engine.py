@@ -63,12 +63,12 @@ class Gate:
 
 
 class FakeModel:
-    """``BucketedModel`` as the engine sees it: ``eos_token_id`` and ``slots(bucket)``.
+    """``BucketedModel`` as the engine sees it: ``eos_token_ids`` and ``slots(bucket)``.
 
     ``log`` has every call in order: ("prefill", bucket name, slot, prompt),
     ("step", bucket name, {slot: that row's prompt}), ("free", bucket name, slot)."""
 
-    eos_token_id = EOS
+    eos_token_ids = (EOS,)
 
     def __init__(self, prefill_lengths: dict[Bucket, Sequence[int]] | None = None) -> None:
         self.prefill_lengths = prefill_lengths or {}
@@ -528,7 +528,7 @@ def test_each_request_stops_at_its_own_max_tokens_or_at_eos():
 
 def test_a_model_without_eos_stops_only_at_max_tokens():
     m = FakeModel()
-    m.eos_token_id = None
+    m.eos_token_ids = ()
     r = request([STOP, 1, 5], 6)  # its second token is 2, EOS for other models
 
     async def body(h: Harness):

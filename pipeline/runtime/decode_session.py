@@ -46,7 +46,7 @@ from torch import Tensor
 
 from pipeline.runtime.cuda_graphs import Recorder, StaticGraph
 from pipeline.runtime.graph_abi import BucketGraphs
-from pipeline.runtime.sampling import GREEDY, Draws, SamplingParams, draw
+from pipeline.runtime.sampling import SamplingParams, SlotSampling, draw
 
 EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}  # steps between host syncs (cpu has nothing to queue)
 # Prefill calls recorded as CUDA graphs: up to this many prompts (serve's --max-prefills
@@ -114,10 +114,8 @@ class DecodeSession:
         self._next: list[int | None] = [None] * b
         self._last: list[int] = [0] * b
         self._synced: tuple[int, ...] | None = None
-        # Rows that sample (the others take the graph's argmax): their params and how many
-        # tokens each has drawn (the sampler's counter).
-        self._sampling: dict[int, SamplingParams] = {}
-        self._drawn: dict[int, int] = {}
+        # Rows that sample (the others take the graph's argmax).
+        self._sampling = SlotSampling()
 
     @property
     def batch(self) -> int:
@@ -151,15 +149,12 @@ class DecodeSession:
         ``spec.prefill_batch`` prompts): the first new token of each, greedy or drawn under
         its ``sampling`` params (which the slot keeps until it is freed)."""
         inputs = self.graphs.prefill_inputs(slots, [list(p) for p in prompts])
-        params = list(sampling) if sampling is not None else [GREEDY] * len(slots)
+        params = list(sampling) if sampling is not None else [None] * len(slots)
         for slot, p in zip(slots, params, strict=True):
-            self._drawn.pop(slot, None)
-            if p.greedy:
-                self._sampling.pop(slot, None)
-            else:
-                self._sampling[slot] = p
-        drawn = [i for i, p in enumerate(params) if not p.greedy]
-        rows = self._draws([slots[i] for i in drawn]) if drawn else None
+            self._sampling.assign(slot, p)
+        sampled = set(self._sampling.sampled(slots))
+        drawn = [i for i, s in enumerate(slots) if s in sampled]
+        rows = self._sampling.draws([slots[i] for i in drawn], self.device) if drawn else None
         graph = self._prefills.get(tuple(inputs[0].shape))
         if graph is not None:
             graph(*inputs)
@@ -174,14 +169,6 @@ class DecodeSession:
             self._next[slot], self._last[slot] = len(p), token
         self._synced = None
         return tokens
-
-    def _draws(self, slots: Sequence[int]) -> Draws:
-        """The sampler's rows for the next token of each of ``slots`` (rows that sample),
-        made before the call that computes their logits; counts the draws."""
-        steps = [self._drawn.get(s, 0) for s in slots]
-        for s, n in zip(slots, steps, strict=True):
-            self._drawn[s] = n + 1
-        return Draws.of([self._sampling[s] for s in slots], steps, self.device)
 
     # ``Slots`` names it ``prefill``; the batch ``prefill`` below (parity's) keeps its name.
     def step(self, slots: Sequence[int]) -> list[int]:
@@ -214,10 +201,10 @@ class DecodeSession:
             self._inputs[0].copy_(torch.tensor(tokens)[:, None])
             self._inputs[1].copy_(torch.tensor(positions))
         n = self.tier(attended)
-        drawn = [r for r in rows if r in self._sampling] if self._sampling else []
+        drawn = self._sampling.sampled(rows)
         if drawn:  # copied to the device before the step, so they need not wait for it
             where = torch.tensor(drawn).to(self.device)
-            picks = self._draws(drawn)
+            picks = self._sampling.draws(drawn, self.device)
         if self._steps:
             self._steps[n].replay()
             nxt, logits = self._steps[n].outputs
@@ -241,8 +228,7 @@ class DecodeSession:
         if self._next[slot] is not None:
             self._next[slot] = None
             self._synced = None
-        self._sampling.pop(slot, None)
-        self._drawn.pop(slot, None)
+        self._sampling.free(slot)
 
     @property
     def slots_in_use(self) -> list[int]:

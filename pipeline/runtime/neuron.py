@@ -49,7 +49,7 @@ from pipeline.plan.config import DTYPE_BYTES
 from pipeline.plan.gqa import GqaPlan
 from pipeline.plan.instances import INSTANCES
 from pipeline.plan.memory import bucket_cost, kv_cache_bytes_per_core, weight_bytes_per_core
-from pipeline.runtime.sampling import SamplingParams, sample
+from pipeline.runtime.sampling import SamplingParams, SlotSampling, draw
 
 INSTALL_HINT = (
     "serve neuron releases on an inf2 (or trn1) host with the Neuron SDK and optimum-neuron: "
@@ -78,7 +78,6 @@ def import_optimum_neuron(what: str) -> Any:
 # sampling.py:149-164). Rows are [top_k, top_p, temperature], float32 (vllm/runner.py:253-264),
 # and must pass sampling.py:102-146 where sampling is on the device (modeling_decoder.py:377).
 GREEDY = (1.0, 1.0, 1.0)
-_GREEDY_PARAMS = SamplingParams()
 log = logging.getLogger("inf2_pipeline.runtime")
 
 
@@ -150,10 +149,9 @@ class NeuronSlots:
                 "modeling_qwen2.py:117-125): tokens are picked on the host, greedy or sampled",
                 bucket.name,
             )
-        # Slots that sample (the rest are greedy): their params, and tokens drawn so far
-        # (the host sampler's counter; the device keeps its own generator).
-        self._sampling: dict[int, SamplingParams] = {}
-        self._drawn: dict[int, int] = {}
+        # Slots that sample (the rest are greedy); its counters serve the host sampler (the
+        # device keeps its own generator).
+        self._sampling = SlotSampling()
         # Each active slot: the token it produced last and the position it goes in (the
         # number of tokens the slot holds, minus one).
         self._pending: dict[int, tuple[int, int]] = {}
@@ -183,11 +181,7 @@ class NeuronSlots:
                 "pick a larger bucket" if tokens else None,
             )
         self._pending.pop(slot, None)  # replacing the slot's request, whatever happens next
-        self._drawn.pop(slot, None)
-        if sampling is None or sampling.greedy:
-            self._sampling.pop(slot, None)
-        else:
-            self._sampling[slot] = sampling
+        self._sampling.assign(slot, sampling)
         if len(tokens) == 1:
             token = self._decode({slot: (tokens[0], 0)})[slot]
         else:
@@ -220,8 +214,7 @@ class NeuronSlots:
         Freeing a free slot does nothing."""
         self._check_slot(slot)
         self._pending.pop(slot, None)
-        self._sampling.pop(slot, None)
-        self._drawn.pop(slot, None)
+        self._sampling.free(slot)
 
     def close(self) -> None:
         """The bucket is unloaded: drop the model and every request; later calls refuse."""
@@ -271,7 +264,7 @@ class NeuronSlots:
         drawn where the host samples, so a row fed again does not advance its counter)."""
         import torch
 
-        rows = [self.sampling_row(self._sampling.get(s, _GREEDY_PARAMS)) for s in seq_ids]
+        rows = [self.sampling_row(self._sampling.params(s)) for s in seq_ids]
         with torch.inference_mode():  # as upstream's runner calls it (vllm/runner.py:266)
             out = self.model.forward(
                 input_ids=torch.tensor(input_ids, dtype=torch.long),
@@ -285,13 +278,10 @@ class NeuronSlots:
         # (modeling_decoder.py:244-245), so the argmax is a real token, and a draw too.
         logits = out[:, -1, :]
         tokens = logits.argmax(dim=-1)
-        drawn = [i for i, s in enumerate(seq_ids) if s in wanted and s in self._sampling]
-        if drawn:
-            slots = [seq_ids[i] for i in drawn]
-            steps = [self._drawn.get(s, 0) for s in slots]
-            tokens[drawn] = sample(logits[drawn], [self._sampling[s] for s in slots], steps)
-            for s, n in zip(slots, steps, strict=True):
-                self._drawn[s] = n + 1
+        slots = self._sampling.sampled([s for s in seq_ids if s in wanted])
+        if slots:
+            drawn = [seq_ids.index(s) for s in slots]
+            tokens[drawn] = draw(logits[drawn], self._sampling.draws(slots, logits.device))
         return [int(t) for t in tokens.tolist()]
 
 

@@ -123,6 +123,45 @@ class Draws:
         return cls(floats.to(device), ints.to(device), filtered)
 
 
+class SlotSampling:
+    """Which slots of a bucket sample, under what params, and how many tokens each has drawn
+    (the noise's counter): the state every slot engine keeps beside its caches."""
+
+    def __init__(self) -> None:
+        self._params: dict[int, SamplingParams] = {}
+        self._drawn: dict[int, int] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._params)
+
+    def assign(self, slot: int, params: SamplingParams | None) -> None:
+        """A new request in ``slot``: greedy (None) or sampled, its counter from 0."""
+        self._drawn.pop(slot, None)
+        if params is None or params.greedy:
+            self._params.pop(slot, None)
+        else:
+            self._params[slot] = params
+
+    def free(self, slot: int) -> None:
+        self._params.pop(slot, None)
+        self._drawn.pop(slot, None)
+
+    def params(self, slot: int) -> SamplingParams:
+        return self._params.get(slot, GREEDY)
+
+    def sampled(self, slots: Sequence[int]) -> list[int]:
+        """Those of ``slots`` that sample, in order."""
+        return [s for s in slots if s in self._params] if self._params else []
+
+    def draws(self, slots: Sequence[int], device: object) -> Draws:
+        """The sampler's rows for the next token of each of ``slots`` (slots that sample),
+        made before the call that computes their logits; counts the draws."""
+        steps = [self._drawn.get(s, 0) for s in slots]
+        for s, n in zip(slots, steps, strict=True):
+            self._drawn[s] = n + 1
+        return Draws.of([self._params[s] for s in slots], steps, device)
+
+
 def sample(logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> Tensor:
     """One token for each row of ``logits`` [R, V] (rows that are not greedy), drawn under
     its params, the ``steps[r]``-th token of its request. int64 [R], on logits' device."""

@@ -45,11 +45,9 @@ FAIL_AFTER = 3  # steps failed in a row (any bucket) after which the device is t
 
 
 class Model(Protocol):
-    """What the engine needs of ``pipeline.runtime.BucketedModel`` (which also has
-    ``eos_token_ids``, every id that ends an answer; a model without it stops at
-    ``eos_token_id``)."""
+    """What the engine needs of ``pipeline.runtime.BucketedModel``."""
 
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every id that ends an answer (none: only max_tokens)
 
     def slots(self, bucket: Bucket) -> Any: ...  # pipeline.runtime.runners.Slots
 
@@ -152,10 +150,7 @@ class Engine:
         self.batching = batching
         self.hooks: Any = hooks or NoHooks()
         self._resident = [_Resident(b, model.slots(b)) for b in sorted(buckets)]
-        eos = getattr(model, "eos_token_ids", None)
-        if eos is None:
-            eos = () if model.eos_token_id is None else (model.eos_token_id,)
-        self._eos = frozenset(int(e) for e in eos)
+        self._eos = frozenset(model.eos_token_ids)
         self._queue: deque[Request] = deque()
         self._cond = threading.Condition()
         self._closing = False

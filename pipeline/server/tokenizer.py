@@ -59,11 +59,14 @@ class TextStream:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _advance(self) -> None:
-        """Add the text of the ids past ``_read`` to ``text``, unless it ends mid-character."""
+    def _advance(self, final: bool = False) -> None:
+        """Add the text of the ids past ``_read`` to ``text``, unless it ends mid-character
+        (``final``: whatever it is, no more tokens come)."""
+        if self._read == len(self.ids):
+            return
         before = self._decode(self.ids[self._prefix : self._read])
         after = self._decode(self.ids[self._prefix :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
+        if final or (len(after) > len(before) and not after.endswith("\ufffd")):
             self.text += after[len(before) :]
             self._prefix = max(0, len(self.ids) - CONTEXT_TOKENS)
             self._read = len(self.ids)
@@ -87,10 +90,7 @@ class TextStream:
         """The text held back, once no more tokens come."""
         if self.stopped or self.tokenizer is None:
             return ""
-        if self._read < len(self.ids):  # what was held back, as it decodes in the end
-            before = self._decode(self.ids[self._prefix : self._read])
-            self.text += self._decode(self.ids[self._prefix :])[len(before) :]
-            self._read = len(self.ids)
+        self._advance(final=True)  # what was held back, as it decodes in the end
         return self._take(len(self.text))
 
     def _take(self, end: int) -> str:
