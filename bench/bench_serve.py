@@ -68,7 +68,14 @@ TRACES = (
     REPO / "shared" / "traces" / TRACE_NAME,
     REPO / "peers" / TRACE_NAME,
 )
-WAYS = ("lone", "serve", "sampled", "static")
+WAYS = ("lone", "serve", "serial", "sampled", "static")
+# Each server the ways run on, and its flags: serial is the engine reading each step's tokens
+# before it launches the next (``serve --no-overlap``), the default's baseline.
+SERVERS = {
+    "iteration": ["--batching", "iteration"],
+    "serial": ["--batching", "iteration", "--no-overlap"],
+    "static": ["--batching", "static"],
+}
 # The sampled way's requests (the issue's figure: beside greedy on the same replay); each
 # request's seed is its index, so a rerun draws the same tokens.
 SAMPLED = {"temperature": 0.7, "top_p": 0.9}
@@ -304,9 +311,13 @@ def way_figures(
     answers: list[Answer | None],
     errors: list[str],
     server: dict[str, Any],
+    concurrency: int = 1,
 ) -> dict[str, Any]:
     got = [a for a in answers if a is not None]
     ttft = [a.ttft for a in got if a.ttft is not None]
+    # the opening burst (every client's first request arrives at once) apart: its first
+    # tokens wait for each other's prefills, which no steady state does
+    steady = [a.ttft for a in answers[concurrency:] if a is not None and a.ttft is not None]
     gaps = [g for a in got for g in a.gaps]
     lat = [a.latency for a in got]
     wrong = [i for i, a in enumerate(answers) if a is not None and alone and a.ids != alone[i]]
@@ -319,6 +330,7 @@ def way_figures(
         "output_tokens_per_s": out_tokens / wall,
         "ttft_p50_s": quantile(ttft, 0.5),
         "ttft_p99_s": quantile(ttft, 0.99),
+        "ttft_p99_after_burst_s": quantile(steady, 0.99),
         "itl_p50_s": quantile(gaps, 0.5),
         "itl_p99_s": quantile(gaps, 0.99),
         "latency_p50_s": quantile(lat, 0.5),
@@ -537,9 +549,9 @@ def serve_ways(
     tmp: Path,
     keep: Any,
 ) -> list[str]:
-    """Start ``serve --batching B``, run each (way, concurrency) ``--rounds`` times (``keep``
-    gets every measurement), stop it; returns the server's errors."""
-    extra = ["--batching", batching]
+    """Start the server ``batching`` names in SERVERS, run each (way, concurrency)
+    ``--rounds`` times (``keep`` gets every measurement), stop it; returns its errors."""
+    extra = list(SERVERS[batching])
     most = max(c for _, c in ways)
     if most > 256:  # the server's default --max-queue
         extra += ["--max-queue", str(most)]
@@ -569,7 +581,7 @@ def serve_ways(
                 # sampled answers are draws, not the greedy answer alone: not compared
                 truth = None if sampling else alone
                 figures = way_figures(
-                    work, truth, wall, answers, errs, server_figures(before, after, buckets)
+                    work, truth, wall, answers, errs, server_figures(before, after, buckets), conc
                 )
                 keep(way, batching, conc, r, figures)
     except Exception as e:
@@ -650,6 +662,7 @@ COLUMNS = (  # (heading, width); the first is left-aligned
     ("TTFT50", 7),
     ("TTFT99", 7),
     ("99/lone", 7),
+    ("TTFT99+", 7),
     ("ITL50", 6),
     ("ITL99", 6),
     ("occup", 6),
@@ -696,6 +709,7 @@ def print_table(result: dict[str, Any]) -> None:
     labels = {
         "lone": "lone request (serve)",
         "serve": "serve",
+        "serial": "serve --no-overlap",
         "sampled": "serve, T 0.7 top_p 0.9",
         "static": "serve --batching static",
     }
@@ -715,6 +729,7 @@ def print_table(result: dict[str, Any]) -> None:
                     _ms(r["ttft_p50_s"]),
                     _ms(r["ttft_p99_s"]),
                     _x(r["ttft_p99_s"], lone),
+                    _ms(r.get("ttft_p99_after_burst_s")),
                     _ms(r["itl_p50_s"]),
                     _ms(r["itl_p99_s"]),
                     _pct(r["slot_occupancy"]),
@@ -751,7 +766,8 @@ def print_table(result: dict[str, Any]) -> None:
             )
     print(
         "\nTTFT (time to first token) and ITL (inter-token latency) in ms, at the client; "
-        "99/lone: p99 TTFT ÷ the lone request's TTFT p50;\noccup: decode rows in use ÷ rows "
+        "99/lone: p99 TTFT ÷ the lone request's TTFT p50; TTFT99+: p99 of the requests after "
+        "each client's first (the opening burst, all at once);\noccup: decode rows in use ÷ rows "
         "stepped; prefill: prompt tokens ÷ prefill positions; differ: answers unlike the "
         "prompt alone"
     )
@@ -932,6 +948,8 @@ def main() -> None:
     iteration += [("sampled", c) for c in concs] if "sampled" in chosen else []
     if iteration:
         plan.append(("iteration", iteration))
+    if "serial" in chosen:
+        plan.append(("serial", [("serial", c) for c in concs]))
     if "static" in chosen:
         plan.append(("static", [("static", c) for c in concs]))
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,10 +31,12 @@ class ServerProcess:
         *args: str,
         step_delay_s: float | None = None,
         env: dict[str, str] | None = None,
+        entry: list[str] | None = None,
     ) -> None:
         """``step_delay_s``: every decode step of the server sleeps this long first
         (tests/serve_slow.py), so tests can act while requests are running. ``env``: more
-        environment variables for the server."""
+        environment variables for the server. ``entry``: the command before ``serve``'s
+        arguments, instead of the CLI (bench/bench_engine_host.py's simulated device)."""
         self.log = log
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, **(env or {}), PYTHONPATH=path, CI="true")
@@ -42,7 +44,7 @@ class ServerProcess:
         if step_delay_s is not None:
             env["INF2_TEST_STEP_DELAY_S"] = str(step_delay_s)
             main = "import tests.serve_slow; " + main
-        cmd = [sys.executable, "-c", main, "serve"]
+        cmd = entry or [sys.executable, "-c", main, "serve"]
         cmd += [str(release), "--port", "0", *args]
         # A file, not a pipe: a full pipe would block the server. Closed in stop().
         self._log = open(log, "wb")  # noqa: SIM115

@@ -10,12 +10,12 @@ import time
 from pipeline.runtime import decode_session
 
 _DELAY_S = float(os.environ["INF2_TEST_STEP_DELAY_S"])
-_step = decode_session.DecodeSession.step
+_launch = decode_session.DecodeSession.launch  # ``step`` is a launch read at once
 
 
-def _slow_step(self, slots):
+def _slow_launch(self, slots):
     time.sleep(_DELAY_S)
-    return _step(self, slots)
+    return _launch(self, slots)
 
 
-decode_session.DecodeSession.step = _slow_step
+decode_session.DecodeSession.launch = _slow_launch

@@ -422,9 +422,12 @@ def test_place_opens_no_smaller_bucket_beside_a_running_one_of_its_length():
     # ... but a larger one opens when the running one is full: traffic outgrew b1
     b = [slots(1, 32, running=1), slots(2, 32), slots(4, 32)]
     assert where(place([10], b, max_prefills=4)) == [(0, "b2_s32", 0)]
-    # a running bucket with room still takes it, whatever its batch
+    # a smaller running bucket beside a larger running one takes no new rows: it drains
     b = [slots(1, 32), slots(2, 32, running=1), slots(4, 32, running=4)]
-    assert where(place([10], b, max_prefills=4)) == [(0, "b2_s32", 1)]
+    assert place([10], b, max_prefills=4) == []
+    b = [slots(1, 32), slots(2, 32, running=1), slots(4, 32, running=3)]
+    assert where(place([10, 10], b, max_prefills=4)) == [(0, "b4_s32", 3)]
+    assert where(place([10], b, max_prefills=4, overflow=True)) == [(0, "b4_s32", 3)]
     # other lengths are not held back: a short request still opens its own short bucket
     b = [slots(1, 16), slots(4, 32, running=4)]
     assert where(place([10], b, max_prefills=4)) == [(0, "b1_s16", 0)]
@@ -1185,3 +1188,155 @@ def test_coalesced_tokens_go_out_in_one_event_and_a_stop_ends_at_its_token():
     # a stop string inside what piled up: the text and the ids end at its token
     got = asyncio.run(events(["bc"], t("a"), t("b"), t("cd"), t("e"), Finished("length")))
     assert got == [("text", ("a", ids)), ("done", "stop")] and len(cancelled) == 1
+
+
+# --- overlapped iterations: slots that launch, their tokens read at the next chance --------
+
+
+class FakePending:
+    """A launched call's tokens; reading them is logged, and may raise."""
+
+    def __init__(self, model: FakeModel, name: str, tokens: list[int], fail: bool) -> None:
+        self.model, self.name, self._tokens, self.fail = model, name, tokens, fail
+
+    def tokens(self) -> list[int]:
+        self.model.log.append(("read", self.name))
+        if self.fail:
+            raise RuntimeError(f"the device failed under {self.name}")
+        return self._tokens
+
+
+class LaunchingSlots(FakeSlots):
+    """Slots with ``launch``/``launch_prefill`` (as cpu/cuda's ``SessionSlots``): each call
+    computes when launched and is logged as ("launch", name); its tokens come from the
+    returned ``FakePending``. ``failing_reads``: the names (e.g. "b4_s32 step 3") whose read
+    raises."""
+
+    def launch(self, slots: Sequence[int]) -> FakePending:
+        tokens = self.step(slots)
+        name = f"{self.bucket.name} step {self.step_calls}"
+        self.model.log.append(("launch", name))
+        return FakePending(self.model, name, tokens, name in self.model.failing_reads)
+
+    def launch_prefill(
+        self, slots: Sequence[int], prompts: Sequence[Sequence[int]], sampling: Any = None
+    ) -> FakePending:
+        tokens = [self.prefill(s, p) for s, p in zip(slots, prompts, strict=True)]
+        name = f"{self.bucket.name} prefill {tuple(slots)}"
+        self.model.log.append(("launch", name))
+        return FakePending(self.model, name, tokens, False)
+
+
+class LaunchingModel(FakeModel):
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.failing_reads: set[str] = set()
+
+    def slots(self, bucket: Bucket) -> FakeSlots:
+        if bucket not in self._slots:
+            self._slots[bucket] = LaunchingSlots(self, bucket)
+        return self._slots[bucket]
+
+
+def test_overlapped_each_step_is_launched_before_the_last_one_is_read():
+    """One request of 4 tokens: prefill, then steps 1..3; step n + 1 is on the device before
+    step n's tokens are read, and the first token is read before step 1's."""
+    m = LaunchingModel()
+    r = request([10, 11], 4)
+
+    async def body(h):
+        h.engine.submit(r)
+        h.start()
+        return await h.result(r)
+
+    assert serve(body, [Bucket(2, 32)], m, start=False) == (
+        alone(r.prompt, 4),
+        Finished("length"),
+    )
+    calls = [e[1] for e in m.log if e[0] in ("launch", "read")]
+    p, s = "b2_s32 prefill (0,)", "b2_s32 step"
+    assert calls == [
+        p, f"{s} 1", p,  # the prefill's row steps at once; its first token read after
+        f"{s} 2", f"{s} 1",
+        f"{s} 3", f"{s} 2",
+        f"{s} 3",  # the last token launched: no step after it, only its read
+    ]  # fmt: skip
+
+
+def test_overlapped_answers_equal_alone_and_no_row_steps_past_its_own_end():
+    """Mixed ends under overlap: a row that ends at max_tokens is never stepped again (the
+    fake refuses a step past the bucket, and one request fills all of it); one that ends at
+    EOS is stepped at most once more, and that token is dropped."""
+    m = LaunchingModel()
+    rs = [
+        request(range(10, 14), 4),
+        request([STOP, 2, 5, 6], 10),  # EOS as its third token
+        request([STOP, 0, 7], 10),  # EOS at once, from the prefill
+        request([40, 41], 1),  # one token: the prefill's
+        request(range(50, 70), 13),  # needs 32: every position of the bucket
+    ]
+    later = [request(range(80, 80 + k), 6) for k in (2, 5, 9)]  # into the freed slots
+
+    async def body(h):
+        for r in rs + later:
+            h.engine.submit(r)
+        h.start()
+        return [await h.result(r) for r in rs + later]
+
+    out = serve(body, [Bucket(5, 32)], m, start=False, max_prefills=8)
+    for r, (tokens, _) in zip(rs + later, out, strict=True):
+        assert tokens == alone(r.prompt, r.max_tokens)
+        steps = len(m.steps_of(r.prompt))
+        if tokens[-1] == EOS:
+            assert len(tokens) - 1 <= steps <= len(tokens)
+        else:
+            assert steps == len(tokens) - 1
+    assert [end.reason for _, end in out[:5]] == ["length", "stop", "stop", "length", "length"]
+
+
+def test_overlapped_a_failed_read_fails_the_rows_of_that_step_only():
+    """A step whose tokens cannot be read (the device failed under it): its rows fail, a
+    request of the other bucket answers in full, and the server goes on."""
+    m = LaunchingModel()
+    small, large = Bucket(2, 32), Bucket(2, 64)
+    m.failing_reads.add("b2_s32 step 2")
+    a, b = request([10, 11], 6), request(range(20, 60), 6)  # a in b2_s32, b in b2_s64
+    after = request([30, 31], 3)
+
+    async def body(h):
+        h.engine.submit(a)
+        h.engine.submit(b)
+        h.start()
+        got = [await h.result(a), await h.result(b)]
+        h.engine.submit(after)
+        return [*got, await h.result(after)]
+
+    (ta, ea), (tb, eb), (tc, ec) = serve(body, [small, large], m, start=False)
+    assert isinstance(ea, Failed) and "failed under b2_s32 step 2" in ea.message
+    assert ta == alone(a.prompt, 6)[:2]  # the first token and step 1's came before
+    assert (tb, eb) == (alone(b.prompt, 6), Finished("length"))
+    assert (tc, ec) == (alone(after.prompt, 3), Finished("length"))
+
+
+def test_overlapped_cancel_frees_the_slot_and_its_launched_tokens_are_dropped():
+    """A client leaves while its row's step is on the device: the slot is freed at the next
+    iteration, refilled by the next request, and that request gets none of the old row's
+    tokens."""
+    m = LaunchingModel()
+    long, nxt = request(range(10, 14), 25), request(range(40, 43), 4)
+    gate = m.hold_step(3)
+
+    async def body(h):
+        h.engine.submit(long)
+        h.start()
+        await h.reached(gate)
+        h.engine.cancel(long)
+        h.engine.submit(nxt)
+        gate.open()
+        return await h.result(nxt)
+
+    assert serve(body, [Bucket(1, 32)], m, start=False) == (
+        alone(nxt.prompt, 4),
+        Finished("length"),
+    )
+    assert len(m.steps_of(long.prompt)) <= 4

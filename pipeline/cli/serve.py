@@ -71,6 +71,14 @@ def serve(
             "event (less work per token under load) rather than one event per token.",
         ),
     ] = False,
+    overlap: Annotated[
+        bool,
+        typer.Option(
+            "--overlap/--no-overlap",
+            help="Queue each iteration's steps on the device before reading the last one's "
+            "tokens, so the device works while the host streams them (cpu/cuda releases).",
+        ),
+    ] = True,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -118,5 +126,6 @@ def serve(
             api_key=api_key,
             chat_max_tokens=chat_max_tokens,
             coalesce=coalesce,
+            overlap=overlap,
         )
     )

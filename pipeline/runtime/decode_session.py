@@ -46,6 +46,7 @@ from torch import Tensor
 
 from pipeline.runtime.cuda_graphs import Recorder, StaticGraph
 from pipeline.runtime.graph_abi import BucketGraphs
+from pipeline.runtime.pending import DeviceTokens, Pending, to_device
 from pipeline.runtime.sampling import SamplingParams, SlotSampling, draw
 
 EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}  # steps between host syncs (cpu has nothing to queue)
@@ -109,11 +110,14 @@ class DecodeSession:
         self._prefills: dict[tuple[int, int], StaticGraph] = {}  # (prompts, length) -> graph
         if self._steps:
             self._record_prefills(recorder)
-        # Slots, on the host: the next position and last token of each row in use (None:
-        # free), and whether the device's step inputs already hold them for ``_synced``.
+        # Slots. The step's inputs live on the device: a prefill writes its rows' first
+        # tokens and positions there, and each step feeds its own output back, so no step
+        # waits for the host. The host keeps the next position of each row in use (None:
+        # free), a mirror of the positions the device holds for every row (None: unknown,
+        # after a whole-batch call), and the rows the device's ``live`` marks.
         self._next: list[int | None] = [None] * b
-        self._last: list[int] = [0] * b
-        self._synced: tuple[int, ...] | None = None
+        self._pos: list[int | None] = [0] * b
+        self._live_rows: tuple[int, ...] | None = ()
         # Rows that sample (the others take the graph's argmax).
         self._sampling = SlotSampling()
 
@@ -148,31 +152,52 @@ class DecodeSession:
         """Fill each of ``slots`` with its prompt, in one prefill call (at most
         ``spec.prefill_batch`` prompts): the first new token of each, greedy or drawn under
         its ``sampling`` params (which the slot keeps until it is freed)."""
-        inputs = self.graphs.prefill_inputs(slots, [list(p) for p in prompts])
+        return self.launch_prefill(slots, prompts, sampling).tokens()
+
+    def launch_prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams] | None = None,
+    ) -> Pending:
+        """``prefill_slots`` queued: the first tokens are written into the step's inputs on
+        the device (a ``launch`` right after steps from them) and read when asked."""
+        host = self.graphs.prefill_inputs(slots, [list(p) for p in prompts])
         params = list(sampling) if sampling is not None else [None] * len(slots)
         for slot, p in zip(slots, params, strict=True):
             self._sampling.assign(slot, p)
         sampled = set(self._sampling.sampled(slots))
         drawn = [i for i, s in enumerate(slots) if s in sampled]
         rows = self._sampling.draws([slots[i] for i in drawn], self.device) if drawn else None
+        inputs = tuple(to_device(t, self.device) for t in host)
         graph = self._prefills.get(tuple(inputs[0].shape))
         if graph is not None:
             graph(*inputs)
             logits, nxt = graph.outputs
         else:
-            logits, nxt = self.graphs.run_prefill(inputs, self.k_cache, self.v_cache)
+            logits, nxt = self.graphs.prefills[inputs[0].shape[1]](
+                *inputs, self.k_cache, self.v_cache
+            )
         if rows is not None:
+            at = to_device(torch.tensor(drawn), self.device)
             nxt = nxt.clone()
-            nxt[drawn] = draw(logits[drawn], rows)
-        tokens = nxt.tolist()
-        for slot, p, token in zip(slots, prompts, tokens, strict=True):
-            self._next[slot], self._last[slot] = len(p), token
-        self._synced = None
-        return tokens
+            nxt[at] = draw(logits[at], rows)
+        where = inputs[2]
+        self._inputs[0][:, 0].index_copy_(0, where, nxt)
+        self._inputs[1].index_copy_(0, where, inputs[1])
+        for slot, p in zip(slots, prompts, strict=True):
+            self._next[slot] = self._pos[slot] = len(p)
+        return DeviceTokens(nxt)
 
     # ``Slots`` names it ``prefill``; the batch ``prefill`` below (parity's) keeps its name.
     def step(self, slots: Sequence[int]) -> list[int]:
-        """One greedy step for each of ``slots``: the next token of each, in order."""
+        """One step for each of ``slots``: the next token of each, in order."""
+        return self.launch(slots).tokens()
+
+    def launch(self, slots: Sequence[int]) -> Pending:
+        """``step`` queued: the step's work goes to the device at once; its tokens are read
+        when asked, so the host may launch the next step first (each feeds its own output
+        to the next on the device)."""
         b, s = self.spec.batch, self.spec.seq
         order = tuple(slots)
         if not order or len(set(order)) != len(order):
@@ -185,25 +210,28 @@ class DecodeSession:
                     + ("it is not in use" if pos is None else f"its {s} positions are full")
                 )
         rows = tuple(sorted(order))
-        # Rows in use but not asked for are fed their pending token at their pending
-        # position again, without advancing (live 0): the step rewrites the cache entry their
-        # next step would write, with the same values, instead of clobbering position 0. A
-        # full row can never step again, so it is left out (its cache is read no more).
+        # Rows not stepped keep their token and position (live 0): a row in use rewrites the
+        # cache entry its next step would write, with the same values; a free row writes
+        # inside its own row. A row whose position is past the cache (full, or unknown after
+        # a whole-batch call) is parked at position 0 first, so no write falls outside.
+        parked = [r for r in range(b) if r not in rows and _past(self._pos[r], s)]
+        if parked:
+            where = to_device(torch.tensor(parked), self.device)
+            self._inputs[1].index_fill_(0, where, 0)
+            self._inputs[0].index_fill_(0, where, 0)
+            for r in parked:
+                self._pos[r] = 0
+        if self._live_rows != rows:
+            live = torch.zeros((b,), dtype=torch.int64)
+            live[list(rows)] = 1
+            self.live.copy_(to_device(live, self.device))
+            self._live_rows = rows
         held = [r for r in self.slots_in_use if r not in rows and self._next[r] < s]
         attended = max(self._next[r] for r in (*order, *held)) + 1  # type: ignore[operator]
-        if self._synced != rows:  # rows joined or left since the last step: reload inputs
-            use = set(rows)
-            live = [int(r in use) for r in range(b)]
-            fed = use | set(held)
-            tokens = [self._last[r] if r in fed else 0 for r in range(b)]
-            positions = [self._next[r] if r in fed else 0 for r in range(b)]
-            self.live.copy_(torch.tensor(live))
-            self._inputs[0].copy_(torch.tensor(tokens)[:, None])
-            self._inputs[1].copy_(torch.tensor(positions))
         n = self.tier(attended)
         drawn = self._sampling.sampled(rows)
         if drawn:  # copied to the device before the step, so they need not wait for it
-            where = torch.tensor(drawn).to(self.device)
+            where = to_device(torch.tensor(drawn), self.device)
             picks = self._sampling.draws(drawn, self.device)
         if self._steps:
             self._steps[n].replay()
@@ -215,19 +243,15 @@ class DecodeSession:
             nxt = nxt.clone()
             nxt[where] = picked
             self._inputs[0][where, 0] = picked
-        out = nxt.tolist()  # the host sync: the server decides after each step
-        # held rows' inputs now hold their own output, not their pending token: reload next time
-        self._synced = None if held else rows
+        pending = DeviceTokens(nxt, order)  # copied before the next step overwrites it
         for r in rows:
             self._next[r] += 1  # type: ignore[operator]
-            self._last[r] = out[r]
-        return [out[r] for r in order]
+            self._pos[r] += 1  # type: ignore[operator]
+        return pending
 
     def free(self, slot: int) -> None:
         """Row ``slot`` is no longer in use: its cache may be refilled by any prefill."""
-        if self._next[slot] is not None:
-            self._next[slot] = None
-            self._synced = None
+        self._next[slot] = None
         self._sampling.free(slot)
 
     @property
@@ -314,8 +338,10 @@ class DecodeSession:
         # callers never take) cannot index out of bounds inside a CUDA graph.
         where = (positions + 1).clamp(max=self.spec.seq)
         generated.scatter_(1, where[:, None], nxt[:, None])
-        tokens.copy_(nxt[:, None])
-        positions.add_(live)  # rows not in use stay where they are, inside their own row
+        # rows not stepped (live 0) keep their token and position: a row held for a step
+        # is fed the same token at the same place when it steps again
+        tokens.copy_(torch.where(live[:, None] > 0, nxt[:, None], tokens))
+        positions.add_(live)
         return nxt, logits
 
     def _prefill_rows(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
@@ -377,10 +403,12 @@ class DecodeSession:
         return lambda attended: self._greedy_step(*self._inputs, *self._fixed(self.tier(attended)))
 
     def _mark_batch(self) -> None:
-        """Whole-batch calls take every row: no slot survives them."""
+        """Whole-batch calls take every row: no slot survives them, and they leave the step's
+        inputs as they please."""
         if any(pos is not None for pos in self._next):
             raise RuntimeError("this bucket's slots are in use: free them before a batch call")
-        self._synced = None
+        self._pos = [None] * self.spec.batch
+        self._live_rows = None
 
     def _column(self, lengths: Tensor, done: int, n: int) -> list[int]:
         """The token each of the first ``n`` rows produced at its step ``done``."""
@@ -437,8 +465,21 @@ class SessionSlots:
         the requests it admits together by prefill length."""
         return self.session.prefill_slots(slots, prompts, sampling)
 
+    def launch_prefill(
+        self,
+        slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams] | None = None,
+    ) -> Pending:
+        """``prefill_many`` queued on the device; its tokens read when asked."""
+        return self.session.launch_prefill(slots, prompts, sampling)
+
     def step(self, slots: Sequence[int]) -> list[int]:
         return self.session.step(slots)
+
+    def launch(self, slots: Sequence[int]) -> Pending:
+        """``step`` queued on the device; its tokens read when asked."""
+        return self.session.launch(slots)
 
     def free(self, slot: int) -> None:
         self.session.free(slot)
@@ -446,6 +487,11 @@ class SessionSlots:
     def prefill_positions(self, prompt: int) -> int:
         """Positions a prefill of ``prompt`` tokens computes: its prefill graph's length."""
         return self.session.spec.prefill_length(prompt)
+
+
+def _past(position: int | None, seq: int) -> bool:
+    """A device position that a step would write outside the cache at (None: unknown)."""
+    return position is None or position >= seq
 
 
 def _until(row: list[int], eos: int | None) -> list[int]:

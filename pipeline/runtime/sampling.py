@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pipeline.runtime.pending import to_device
+
 if TYPE_CHECKING:  # torch is imported when a row is drawn: the params need none
     from torch import Tensor
 
@@ -120,7 +122,7 @@ class Draws:
             dtype=torch.int64,
         )
         filtered = any(p.top_k or p.top_p < 1 for p in params)
-        return cls(floats.to(device), ints.to(device), filtered)
+        return cls(to_device(floats, device), to_device(ints, device), filtered)
 
 
 class SlotSampling:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pipeline.plan.buckets import Bucket
+from pipeline.runtime.pending import Pending, Ready
 from pipeline.runtime.sampling import GREEDY, SamplingParams
 from pipeline.server.scheduler import BucketSlots, place
 
@@ -97,7 +98,8 @@ class Request:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
     cancelled: bool = False  # set from the loop: the client left, or a stop string matched
-    # the engine's own: tokens sent so far, and when the last one was
+    # the engine's own: tokens launched on the device, sent so far, and when the last was
+    launched: int = 0
     produced: int = 0
     last_token: float = 0.0
 
@@ -126,6 +128,22 @@ class _Resident:
     rows: dict[int, Request] = field(default_factory=dict)  # slot -> its request
 
 
+@dataclass
+class _Call:
+    """A prefill or step launched on a bucket's slots, its tokens not read yet."""
+
+    res: _Resident
+    rows: list[tuple[int, Request]]  # (slot, its request) in the call's order
+    pending: Pending
+    computed: int = 0  # a prefill's positions per prompt (0: a step)
+    deferred: bool = False  # read at the engine's next chance, not at once
+
+    def theirs(self) -> list[tuple[int, Request]]:
+        """The rows still held by the request they were launched for (a row retired since,
+        whose slot may already hold another request, gets nothing of this call)."""
+        return [(s, r) for s, r in self.rows if self.res.rows.get(s) is r]
+
+
 class Engine:
     def __init__(
         self,
@@ -138,9 +156,11 @@ class Engine:
         spill: bool = True,
         overflow: bool = False,
         batching: str = "iteration",
+        overlap: bool = True,
         hooks: Hooks | None = None,
     ) -> None:
-        """``buckets``: the resident ones (loaded and warm)."""
+        """``buckets``: the resident ones (loaded and warm). ``overlap``: launch each
+        iteration's steps before reading the last one's tokens (where the slots can)."""
         self.model = model
         self.loop = loop
         self.max_queue = max_queue
@@ -148,6 +168,7 @@ class Engine:
         self.spill = spill
         self.overflow = overflow
         self.batching = batching
+        self.overlap = overlap
         self.hooks: Any = hooks or NoHooks()
         self._resident = [_Resident(b, model.slots(b)) for b in sorted(buckets)]
         self._eos = frozenset(model.eos_token_ids)
@@ -157,6 +178,7 @@ class Engine:
         self._failures = 0  # steps failed in a row
         self._broken = ""  # why the loop must stop (set by _failed)
         self._out: list[tuple[Request, Event]] = []
+        self._inflight: list[_Call] = []  # steps launched, read at the next iteration
         self._calls = {"prefill": 0.0, "step": 0.0}  # this iteration's model-call seconds
         for r in self._resident:
             self.hooks.slots(r.bucket, 0)
@@ -229,15 +251,26 @@ class Engine:
                     self._cond.wait()
                 waited = clock() - waited
                 admitted = self._take_admissions()
-            if admitted:
-                self._prefill(admitted, out)
+            prefills = self._launch_prefills(admitted, out) if admitted else []
+            now = [c for c in prefills if not c.deferred]
+            if now:
                 # First tokens go out before the steps: a prefill's token does not wait
                 # for every running bucket's next step.
+                self._read_prefills(now, out)
                 self.loop.call_soon_threadsafe(_deliver, out)
                 out = self._out = []
-            for res in self._resident:
-                if res.rows:
-                    self._step(res, out)
+            steps = [c for res in self._resident if (c := self._launch_step(res, out))]
+            # A deferred call (``overlap``, slots that launch) is read only behind the next
+            # calls: the last iteration's steps now, after this one's are queued, so the
+            # device has work while the host delivers their tokens; this one's prefills
+            # after that (their first tokens come before this iteration's step ends).
+            for call in self._inflight:
+                self._read_step(call, out)
+            self._read_prefills([c for c in prefills if c.deferred], out)
+            for call in steps:
+                if not call.deferred:
+                    self._read_step(call, out)
+            self._inflight = [c for c in steps if c.deferred]
             self._out = []
             if out:  # one wake-up of the loop per iteration, for every request
                 self.loop.call_soon_threadsafe(_deliver, out)
@@ -290,73 +323,128 @@ class Engine:
             self.hooks.queue_depth(len(self._queue))
         return out
 
-    def _prefill(
+    def _launch_prefills(
         self, admitted: list[tuple[Request, _Resident, int]], out: list[tuple[Request, Event]]
-    ) -> None:
-        """Prefill what was admitted: requests of one bucket and one prefill length share a
-        call where the slots take several (``prefill_many``), else one call each."""
+    ) -> list[_Call]:
+        """Launch prefills of what was admitted: requests of one bucket and one prefill length
+        share a call where the slots take several (``prefill_many``), else one call each; a
+        shared call that raises is launched again one prompt at a time, so only the culprit
+        fails."""
         groups: dict[tuple[Bucket, int], list[tuple[Request, int]]] = {}
         for req, res, slot in admitted:
             res.rows[slot] = req
             key = (res.bucket, prefill_positions(res, len(req.prompt)))
             groups.setdefault(key, []).append((req, slot))
         by_bucket = {r.bucket: r for r in self._resident}
+        calls = []
         for (bucket, computed), items in groups.items():
             res = by_bucket[bucket]
-            many = getattr(res.slots, "prefill_many", None)
-            size = int(getattr(res.slots, "prefill_batch", 1)) if many else 1
+            shared = hasattr(res.slots, "launch_prefill") or hasattr(res.slots, "prefill_many")
+            size = int(getattr(res.slots, "prefill_batch", 1)) if shared else 1
             for a in range(0, len(items), size):
-                part = items[a : a + size]
-                tokens = None
+                part = [(slot, req) for req, slot in items[a : a + size]]
+                call = None
                 if len(part) > 1:
+                    with contextlib.suppress(Exception):
+                        call = self._launch_prefill(res, part, computed)
+                if call is not None:
+                    calls.append(call)
+                    continue
+                for row in part:
                     try:
-                        with self._timed("prefill"):
-                            tokens = many(
-                                [s for _, s in part],
-                                [r.prompt for r, _ in part],
-                                *_sampling([r for r, _ in part]),
-                            )
-                        if len(tokens) != len(part):
-                            raise RuntimeError(f"{len(tokens)} tokens for {len(part)} prompts")
-                    except Exception:  # one at a time, so only the culprit fails
-                        tokens = None
-                if tokens is None:
-                    tokens = [self._prefill_one(res, req, slot, out) for req, slot in part]
-                for (req, slot), token in zip(part, tokens, strict=True):
-                    if token is None:
-                        continue
-                    self.hooks.prefill(bucket, len(req.prompt), computed)
-                    self._deliver_token(res, slot, token, out)
+                        calls.append(self._launch_prefill(res, [row], computed))
+                    except Exception as e:  # this request fails; the others go on
+                        self._retire(res, row[0], out, Failed(f"{type(e).__name__}: {e}"))
             self.hooks.slots(bucket, len(res.rows))
+        return calls
 
-    def _prefill_one(
-        self, res: _Resident, req: Request, slot: int, out: list[tuple[Request, Event]]
-    ) -> int | None:
-        try:
-            with self._timed("prefill"):
-                return res.slots.prefill(slot, req.prompt, *_sampling([req], one=True))
-        except Exception as e:  # this request fails; the others go on
-            self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
+    def _launch_prefill(
+        self, res: _Resident, rows: list[tuple[int, Request]], computed: int
+    ) -> _Call:
+        slots, reqs = [s for s, _ in rows], [r for _, r in rows]
+        prompts = [r.prompt for r in reqs]
+        sampling = _sampling(reqs)
+        launch = getattr(res.slots, "launch_prefill", None)
+        with self._timed("prefill"):
+            if launch is not None and self.overlap:
+                pending = launch(slots, prompts, *sampling)
+            elif len(rows) > 1:
+                pending = Ready(res.slots.prefill_many(slots, prompts, *sampling))
+            else:
+                one = (sampling[0][0],) if sampling else ()
+                pending = Ready([res.slots.prefill(slots[0], prompts[0], *one)])
+        for r in reqs:
+            r.launched = 1
+        return _Call(res, rows, pending, computed, deferred=launch is not None and self.overlap)
+
+    def _read_prefills(self, calls: list[_Call], out: list[tuple[Request, Event]]) -> None:
+        for call in calls:
+            res = call.res
+            try:
+                with self._timed("prefill"):
+                    tokens = call.pending.tokens()
+                if len(tokens) != len(call.rows):
+                    raise RuntimeError(f"{len(tokens)} tokens for {len(call.rows)} prompts")
+            except Exception as e:  # the call's requests fail: their rows were computed
+                for slot, _ in call.theirs():
+                    self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
+                continue
+            mine = {id(r) for _, r in call.theirs()}
+            for (slot, req), token in zip(call.rows, tokens, strict=True):
+                if id(req) in mine:
+                    self.hooks.prefill(res.bucket, len(req.prompt), call.computed)
+                    self._deliver_token(res, slot, token, out)
+            self.hooks.slots(res.bucket, len(res.rows))
+
+    def _launch_step(self, res: _Resident, out: list[tuple[Request, Event]]) -> _Call | None:
+        """One step of the bucket's rows that still have tokens to launch (a row whose last
+        token is launched but not read waits for it; one that ended at a step not yet read
+        is stepped once more, and that token is dropped)."""
+        rows = [(s, r) for s, r in sorted(res.rows.items()) if r.launched < r.max_tokens]
+        if not rows:
             return None
-
-    def _step(self, res: _Resident, out: list[tuple[Request, Event]]) -> None:
-        slots = sorted(res.rows)
+        slots = [s for s, _ in rows]
+        launch = getattr(res.slots, "launch", None) if self.overlap else None
         try:
             with self._timed("step"):
-                tokens = res.slots.step(slots)
-            if len(tokens) != len(slots):
-                raise RuntimeError(f"{len(tokens)} tokens for {len(slots)} slots")
+                pending = launch(slots) if launch is not None else Ready(res.slots.step(slots))
         except Exception as e:  # the rows of this step fail together: they shared it
-            message = f"{type(e).__name__}: {e}"
-            for slot in slots:
-                self._retire(res, slot, out, Failed(message))
-            self._failed(res.bucket, message)
+            self._step_failed(res, rows, e, out)
+            return None
+        for _, r in rows:
+            r.launched += 1
+        return _Call(res, rows, pending, deferred=launch is not None)
+
+    def _read_step(self, call: _Call, out: list[tuple[Request, Event]]) -> None:
+        res = call.res
+        try:
+            with self._timed("step"):
+                tokens = call.pending.tokens()
+            if len(tokens) != len(call.rows):
+                raise RuntimeError(f"{len(tokens)} tokens for {len(call.rows)} slots")
+        except Exception as e:
+            self._step_failed(res, call.theirs(), e, out)
             return
         self._failures = 0
-        for slot, token in zip(slots, tokens, strict=True):
-            self._deliver_token(res, slot, token, out)
-        self.hooks.step(res.bucket, len(slots))
+        mine = {id(r) for _, r in call.theirs()}
+        for (slot, req), token in zip(call.rows, tokens, strict=True):
+            if id(req) in mine:
+                self._deliver_token(res, slot, token, out)
+        self.hooks.step(res.bucket, len(mine))
         self.hooks.slots(res.bucket, len(res.rows))
+
+    def _step_failed(
+        self,
+        res: _Resident,
+        rows: list[tuple[int, Request]],
+        e: Exception,
+        out: list[tuple[Request, Event]],
+    ) -> None:
+        message = f"{type(e).__name__}: {e}"
+        for slot, req in rows:
+            if res.rows.get(slot) is req:
+                self._retire(res, slot, out, Failed(message))
+        self._failed(res.bucket, message)
 
     def _deliver_token(
         self, res: _Resident, slot: int, token: int, out: list[tuple[Request, Event]]
@@ -397,6 +485,7 @@ class Engine:
         """Every request running or queued gets ``Failed`` (after the events this iteration
         had made); no new ones are taken."""
         out, self._out = self._out, []
+        self._inflight = []
         for res in self._resident:
             out += [(req, Failed(message)) for req in res.rows.values()]
             res.rows.clear()
