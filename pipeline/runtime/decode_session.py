@@ -31,9 +31,12 @@ are zeroed after every recording. CPU sessions run the same calls eagerly.
 row has stopped, so the host queues replays ahead of the GPU instead of waiting on each
 token. Rows keep running after their EOS; their extra tokens are cut off afterwards, so the
 result equals stopping at once. The slot calls (``prefill_slot``, ``step``, ``free``: the
-``Slots`` interface of ``pipeline.runtime.runners``) read each step's tokens back, since the
-server decides after every step which rows go on; the device's inputs are reloaded from the
-host only when the rows in use changed.
+``Slots`` interface of ``pipeline.runtime.runners``) keep the step's inputs on the device:
+a prefill writes its rows' first tokens and positions there, each step feeds its own output
+on, and the host sends only the live mask when the rows stepped change. So ``launch`` and
+``launch_prefill`` queue their work and return the tokens as ``Pending`` (read when the
+server asks, ``pipeline.runtime.pending``): the server launches a step before it reads the
+last one's tokens, and the device does not wait for the host in between.
 """
 
 from __future__ import annotations

@@ -5,19 +5,27 @@ model thread (``run``) loops, because a runner is not re-entrant. Every iteratio
 
 1. retires rows whose client left (or whose stop string matched), freeing their slots;
 2. admits waiting requests into free slots (``scheduler.place``: first come, first served,
-   at most ``max_prefills``) and prefills them, those of one bucket and one prefill length
-   in one call where the backend can; their first tokens go out at once;
-3. runs one decode step for every bucket with rows in use, in turn, and delivers each row's
-   token;
-4. retires each row the moment it ends (EOS, its own ``max_tokens``), so the slot is free
-   for the next iteration's admissions.
+   at most ``max_prefills``) and launches their prefills, those of one bucket and one
+   prefill length in one call where the backend can;
+3. launches one decode step for every bucket with rows that have tokens to launch;
+4. reads tokens and delivers each row's: with ``overlap`` (slots that ``launch``: cpu/cuda)
+   the previous iteration's steps first, which the device finished while this iteration's
+   calls queued behind them, then this iteration's prefills, whose steps are read at the
+   next iteration; otherwise (neuron, or ``overlap=False``) the prefills before step 3 and
+   the steps right after it;
+5. retires each row the moment its end is read (EOS, its own ``max_tokens``), so the slot
+   is free for the next iteration's admissions. Under overlap a row that ended at EOS was
+   already launched once more: that token is dropped (``_Call.theirs``). A row whose last
+   token by ``max_tokens`` is launched is not stepped again.
 
-So a short request never waits for a long one's steps, and a freed slot is refilled one
-iteration later. Tokens go back to the event loop as typed events (``Tokens``, ``Finished``,
-``Failed``) in one ``loop.call_soon_threadsafe`` per iteration for every request.
+So a short request never waits for a long one's steps, the device does not wait for the
+host between steps, and a freed slot is refilled one or two iterations later. Tokens go
+back to the event loop as typed events (``Tokens``, ``Finished``, ``Failed``) in one
+``loop.call_soon_threadsafe`` per iteration for every request.
 
-An exception in a prefill fails that request only (a shared prefill call that fails is
-retried one prompt at a time); one in a step fails the rows of that bucket's step (they
+An exception in a prefill fails that request only (a shared prefill call that raises at
+launch is launched again one prompt at a time; one whose tokens cannot be read fails its
+requests); one in a step fails the rows of that bucket's step (they
 shared it), never those of other buckets, and the server lives on. After ``FAIL_AFTER``
 failed steps in a row, or any exception that escapes the loop, the device is taken as lost:
 every request held gets ``Failed`` and ``run`` raises ``EngineFailed``.
