@@ -404,6 +404,35 @@ def _steps(slots, rows: list[int], n: int) -> None:
         slots.step(rows)
 
 
+def _recorded_equals_eager(slots, rows: list[int], vocab: int) -> bool | None:
+    """The same seeded rows stepped with the session's recorded sampler and with the eager
+    draw (the sampler set aside for the second run): the same tokens, or the recording is
+    wrong. None where the session records none (cpu)."""
+    from pipeline.runtime.sampling import SamplingParams
+
+    session = slots.session
+    recorded = getattr(session, "_sampler", None)
+    if recorded is None:
+        return None
+    runs = []
+    try:
+        for sampler in (recorded, None):
+            session._sampler = sampler
+            ps = prompts(len(rows), 8, vocab, seed=4)
+            got = [
+                slots.prefill(r, p, SamplingParams(0.9, 0.8, top_k=50, seed=r))
+                for r, p in zip(rows, ps, strict=True)
+            ]
+            for _ in range(8):
+                got += slots.step(rows)
+            for r in rows:
+                slots.free(r)
+            runs.append(got)
+    finally:
+        session._sampler = recorded
+    return runs[0] == runs[1]
+
+
 def slot_sampling(model, batches: list[int], vocab: int, device: str, reps: int) -> dict:
     """What sampling costs a decode step: ``Slots.step`` over every slot of each bucket with
     every row greedy, against every row sampled (temperature 0.7, top_p 0.9, its own seed),
@@ -431,6 +460,7 @@ def slot_sampling(model, batches: list[int], vocab: int, device: str, reps: int)
         figures["sampled_vs_greedy"] = round(
             figures["sampled_step_ms"] / figures["greedy_step_ms"], 3
         )
+        figures["recorded_sampler_equals_eager"] = _recorded_equals_eager(slots, rows, vocab)
         out[f"batch{b}"] = figures
         log(f"slot step, greedy vs sampled, {bucket.name}: {figures}")
     return out
@@ -788,7 +818,8 @@ def print_summary(result: dict[str, Any], floor_ms: float) -> None:
         print(
             f"slot step {key:<8} {d['greedy_step_ms']:>8.3f} ms greedy  "
             f"{d['sampled_step_ms']:>8.3f} ms sampled (T 0.7, top_p 0.9)  "
-            f"{d['sampled_vs_greedy']:.3f}×  ({d['bucket']})"
+            f"{d['sampled_vs_greedy']:.3f}×  ({d['bucket']}; recorded sampler's tokens = "
+            f"eager draw's: {d.get('recorded_sampler_equals_eager')})"
         )
     p = result["prefill"]
     print(

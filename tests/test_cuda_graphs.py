@@ -292,3 +292,34 @@ def test_sampled_slots_replayed_as_graphs_equal_eager_ones(demo_buckets):
     greedy = DecodeSession(BucketGraphs(demo_buckets / "b1_s64", weights=graphs.weights))
     assert eager[1] == greedy.generate([[9, 9, 9, 9]], len(eager[1]), None)[0]
     assert eager[0] != greedy.generate([[5, 17, 42]], len(eager[0]), None)[0]
+
+
+def test_the_recorded_sampler_draws_the_eager_tokens_of_both_kinds(demo_buckets):
+    """Graphed, a step's sampled rows are drawn by one recorded sampler per kind (with a
+    top-k/top-p filter or without), both recorded with the session: the tokens equal the
+    eager draw's, a temperature-only row first and a filtered one joining it."""
+    from pipeline.runtime.decode_session import DecodeSession, SessionSlots
+    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.sampling import SamplingParams
+
+    graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
+    warm = SamplingParams(temperature=0.8, seed=5)
+    picky = SamplingParams(temperature=1.3, top_p=0.8, top_k=20, seed=9)
+
+    def run(recorder) -> tuple[list[list[int]], DecodeSession]:
+        session = DecodeSession(graphs, recorder=recorder)
+        slots = SessionSlots(session)
+        got = [[slots.prefill(0, [4, 8, 15], warm)], []]
+        for _ in range(3):
+            got[0] += slots.step([0])
+        got[1].append(slots.prefill(1, [16, 23, 42], picky))
+        for _ in range(4):
+            for row, t in enumerate(slots.step([0, 1])):
+                got[row].append(t)
+        return got, session
+
+    eager, _ = run(None)
+    replayed, session = run(ReplayRecorder())
+    assert replayed == eager
+    graphs_made = session._sampler._graphs
+    assert sorted(graphs_made) == [False, True] and all(graphs_made.values())

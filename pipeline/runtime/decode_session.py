@@ -50,7 +50,8 @@ from torch import Tensor
 from pipeline.runtime.cuda_graphs import Recorder, StaticGraph
 from pipeline.runtime.graph_abi import BucketGraphs
 from pipeline.runtime.pending import DeviceTokens, Pending, to_device
-from pipeline.runtime.sampling import SamplingParams, SlotSampling, draw
+from pipeline.runtime.sampler_graph import RecordedSampler
+from pipeline.runtime.sampling import Draws, SamplingParams, SlotSampling, draw
 
 EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}  # steps between host syncs (cpu has nothing to queue)
 # Prefill calls recorded as CUDA graphs: up to this many prompts (serve's --max-prefills
@@ -121,8 +122,14 @@ class DecodeSession:
         self._next: list[int | None] = [None] * b
         self._pos: list[int | None] = [0] * b
         self._live_rows: tuple[int, ...] | None = ()
-        # Rows that sample (the others take the graph's argmax).
+        # Rows that sample (the others take the graph's argmax); graphed, their draw is
+        # recorded too (``pipeline.runtime.sampler_graph``).
         self._sampling = SlotSampling()
+        self._sampler = None
+        if self._steps:
+            self._sampler = RecordedSampler(self._inputs[0], recorder)
+            argmax, logits = self._steps[self.tiers[-1]].outputs
+            self._sampler.prepare(logits, argmax)
 
     @property
     def batch(self) -> int:
@@ -233,24 +240,41 @@ class DecodeSession:
         attended = max(self._next[r] for r in (*order, *held)) + 1  # type: ignore[operator]
         n = self.tier(attended)
         drawn = self._sampling.sampled(rows)
-        if drawn:  # copied to the device before the step, so they need not wait for it
-            where = to_device(torch.tensor(drawn), self.device)
-            picks = self._sampling.draws(drawn, self.device)
+        taken = self._sampling.take(drawn)
         if self._steps:
             self._steps[n].replay()
             nxt, logits = self._steps[n].outputs
         else:
             nxt, logits = self._greedy_step(*self._inputs, *self._fixed(n))
         if drawn:  # the step fed its argmax back in: those rows get their drawn token instead
-            picked = draw(logits[where], picks)
-            nxt = nxt.clone()
-            nxt[where] = picked
-            self._inputs[0][where, 0] = picked
+            nxt = self._draw(logits, nxt, drawn, taken)
         pending = DeviceTokens(nxt, order)  # copied before the next step overwrites it
         for r in rows:
             self._next[r] += 1  # type: ignore[operator]
             self._pos[r] += 1  # type: ignore[operator]
         return pending
+
+    def _draw(
+        self,
+        logits: Tensor,
+        nxt: Tensor,
+        drawn: list[int],
+        taken: list[tuple[SamplingParams, int]],
+    ) -> Tensor:
+        """The step's tokens with ``drawn``'s rows sampled, also fed to the next step: one
+        recorded replay where the step is graphed, else the eager draw of those rows."""
+        if self._sampler is not None:
+            rows = [(r, p, i) for r, (p, i) in zip(drawn, taken, strict=True)]
+            out = self._sampler(logits, nxt, rows)
+            if out is not None:
+                return out
+        where = to_device(torch.tensor(drawn), self.device)
+        params = Draws.of([p for p, _ in taken], [i for _, i in taken], self.device)
+        picked = draw(logits[where], params)
+        nxt = nxt.clone()
+        nxt[where] = picked
+        self._inputs[0][where, 0] = picked
+        return nxt
 
     def free(self, slot: int) -> None:
         """Row ``slot`` is no longer in use: its cache may be refilled by any prefill."""

@@ -155,13 +155,25 @@ class SlotSampling:
         """Those of ``slots`` that sample, in order."""
         return [s for s in slots if s in self._params] if self._params else []
 
+    def take(self, slots: Sequence[int]) -> list[tuple[SamplingParams, int]]:
+        """Each of ``slots``' params and the index of the token it draws next (slots that
+        sample), counting the draws."""
+        out = []
+        for s in slots:
+            n = self._drawn.get(s, 0)
+            self._drawn[s] = n + 1
+            out.append((self._params[s], n))
+        return out
+
     def draws(self, slots: Sequence[int], device: object) -> Draws:
         """The sampler's rows for the next token of each of ``slots`` (slots that sample),
         made before the call that computes their logits; counts the draws."""
-        steps = [self._drawn.get(s, 0) for s in slots]
-        for s, n in zip(slots, steps, strict=True):
-            self._drawn[s] = n + 1
-        return Draws.of([self._params[s] for s in slots], steps, device)
+        taken = self.take(slots)
+        return Draws.of([p for p, _ in taken], [n for _, n in taken], device)
+
+    def filtered(self, slots: Sequence[int]) -> bool:
+        """Whether any of ``slots`` keeps only some tokens (top_k or top_p)."""
+        return any(self._params[s].top_k or self._params[s].top_p < 1 for s in slots)
 
 
 def sample(logits: Tensor, params: Sequence[SamplingParams], steps: Sequence[int]) -> Tensor:
