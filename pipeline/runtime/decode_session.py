@@ -465,6 +465,14 @@ class SessionSlots:
         self.session = session
         self.batch = session.batch
         self.seq = session.seq
+        # the session's own calls: several prompts in one prefill call (at most
+        # ``prefill_batch``; the engine groups what it admits together by prefill length),
+        # one step, and both queued (``launch_prefill``, ``launch``: tokens read when asked)
+        self.prefill_many = session.prefill_slots
+        self.launch_prefill = session.launch_prefill
+        self.step = session.step
+        self.launch = session.launch
+        self.free = session.free
 
     @property
     def prefill_lengths(self) -> tuple[int, ...]:
@@ -481,35 +489,6 @@ class SessionSlots:
     ) -> int:
         params = None if sampling is None else [sampling]
         return self.session.prefill_slots([slot], [prompt], params)[0]
-
-    def prefill_many(
-        self,
-        slots: Sequence[int],
-        prompts: Sequence[Sequence[int]],
-        sampling: Sequence[SamplingParams] | None = None,
-    ) -> list[int]:
-        """Several requests in one prefill call (at most ``prefill_batch``): the engine groups
-        the requests it admits together by prefill length."""
-        return self.session.prefill_slots(slots, prompts, sampling)
-
-    def launch_prefill(
-        self,
-        slots: Sequence[int],
-        prompts: Sequence[Sequence[int]],
-        sampling: Sequence[SamplingParams] | None = None,
-    ) -> Pending:
-        """``prefill_many`` queued on the device; its tokens read when asked."""
-        return self.session.launch_prefill(slots, prompts, sampling)
-
-    def step(self, slots: Sequence[int]) -> list[int]:
-        return self.session.step(slots)
-
-    def launch(self, slots: Sequence[int]) -> Pending:
-        """``step`` queued on the device; its tokens read when asked."""
-        return self.session.launch(slots)
-
-    def free(self, slot: int) -> None:
-        self.session.free(slot)
 
     def prefill_positions(self, prompt: int) -> int:
         """Positions a prefill of ``prompt`` tokens computes: its prefill graph's length."""
