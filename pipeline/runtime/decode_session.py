@@ -185,13 +185,9 @@ class DecodeSession:
             graph(*inputs)
             logits, nxt = graph.outputs
         else:
-            logits, nxt = self.graphs.prefills[inputs[0].shape[1]](
-                *inputs, self.k_cache, self.v_cache
-            )
+            logits, nxt = self.graphs.run_prefill(inputs, self.k_cache, self.v_cache)
         if rows is not None:
-            at = to_device(torch.tensor(drawn), self.device)
-            nxt = nxt.clone()
-            nxt[at] = draw(logits[at], rows)
+            nxt = _with_drawn(nxt, logits, to_device(torch.tensor(drawn), self.device), rows)
         where = inputs[2]
         self._inputs[0][:, 0].index_copy_(0, where, nxt)
         self._inputs[1].index_copy_(0, where, inputs[1])
@@ -270,10 +266,8 @@ class DecodeSession:
                 return out
         where = to_device(torch.tensor(drawn), self.device)
         params = Draws.of([p for p, _ in taken], [i for _, i in taken], self.device)
-        picked = draw(logits[where], params)
-        nxt = nxt.clone()
-        nxt[where] = picked
-        self._inputs[0][where, 0] = picked
+        nxt = _with_drawn(nxt, logits, where, params)
+        self._inputs[0][where, 0] = nxt[where]
         return nxt
 
     def free(self, slot: int) -> None:
@@ -493,6 +487,13 @@ class SessionSlots:
     def prefill_positions(self, prompt: int) -> int:
         """Positions a prefill of ``prompt`` tokens computes: its prefill graph's length."""
         return self.session.spec.prefill_length(prompt)
+
+
+def _with_drawn(nxt: Tensor, logits: Tensor, rows: Tensor, draws: Draws) -> Tensor:
+    """``nxt`` (a call's argmax tokens) with ``rows`` drawn from their logits instead."""
+    out = nxt.clone()
+    out[rows] = draw(logits[rows], draws)
+    return out
 
 
 def _past(position: int | None, seq: int) -> bool:

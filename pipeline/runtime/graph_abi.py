@@ -325,8 +325,10 @@ class BucketGraphs:
 
     def run_prefill(self, inputs: tuple[Any, ...], k_cache: Any, v_cache: Any) -> tuple[Any, Any]:
         """Call the prefill graph of ``prefill_inputs``' length on them."""
+        from pipeline.runtime.pending import to_device  # no sync with queued device work
+
         tokens = inputs[0]
-        on = tuple(t.to(self.device) for t in inputs)
+        on = tuple(to_device(t, self.device) for t in inputs)
         return self.prefills[tokens.shape[1]](*on, k_cache, v_cache)
 
     def prefill_inputs(self, slots: Sequence[int], prompts: Sequence[Any]) -> tuple[Any, ...]:

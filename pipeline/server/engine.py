@@ -372,9 +372,9 @@ class Engine:
         slots, reqs = [s for s, _ in rows], [r for _, r in rows]
         prompts = [r.prompt for r in reqs]
         sampling = _sampling(reqs)
-        launch = getattr(res.slots, "launch_prefill", None)
+        launch = getattr(res.slots, "launch_prefill", None) if self.overlap else None
         with self._timed("prefill"):
-            if launch is not None and self.overlap:
+            if launch is not None:
                 pending = launch(slots, prompts, *sampling)
             elif len(rows) > 1:
                 pending = Ready(res.slots.prefill_many(slots, prompts, *sampling))
@@ -383,25 +383,20 @@ class Engine:
                 pending = Ready([res.slots.prefill(slots[0], prompts[0], *one)])
         for r in reqs:
             r.launched = 1
-        return _Call(res, rows, pending, computed, deferred=launch is not None and self.overlap)
+        return _Call(res, rows, pending, computed, deferred=launch is not None)
 
     def _read_prefills(self, calls: list[_Call], out: list[tuple[Request, Event]]) -> None:
         for call in calls:
             res = call.res
             try:
-                with self._timed("prefill"):
-                    tokens = call.pending.tokens()
-                if len(tokens) != len(call.rows):
-                    raise RuntimeError(f"{len(tokens)} tokens for {len(call.rows)} prompts")
+                got = self._read(call, "prefill")
             except Exception as e:  # the call's requests fail: their rows were computed
                 for slot, _ in call.theirs():
                     self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
                 continue
-            mine = {id(r) for _, r in call.theirs()}
-            for (slot, req), token in zip(call.rows, tokens, strict=True):
-                if id(req) in mine:
-                    self.hooks.prefill(res.bucket, len(req.prompt), call.computed)
-                    self._deliver_token(res, slot, token, out)
+            for slot, req, token in got:
+                self.hooks.prefill(res.bucket, len(req.prompt), call.computed)
+                self._deliver_token(res, slot, token, out)
             self.hooks.slots(res.bucket, len(res.rows))
 
     def _launch_step(self, res: _Resident, out: list[tuple[Request, Event]]) -> _Call | None:
@@ -426,20 +421,25 @@ class Engine:
     def _read_step(self, call: _Call, out: list[tuple[Request, Event]]) -> None:
         res = call.res
         try:
-            with self._timed("step"):
-                tokens = call.pending.tokens()
-            if len(tokens) != len(call.rows):
-                raise RuntimeError(f"{len(tokens)} tokens for {len(call.rows)} slots")
+            got = self._read(call, "step")
         except Exception as e:
             self._step_failed(res, call.theirs(), e, out)
             return
         self._failures = 0
-        mine = {id(r) for _, r in call.theirs()}
-        for (slot, req), token in zip(call.rows, tokens, strict=True):
-            if id(req) in mine:
-                self._deliver_token(res, slot, token, out)
-        self.hooks.step(res.bucket, len(mine))
+        for slot, _, token in got:
+            self._deliver_token(res, slot, token, out)
+        self.hooks.step(res.bucket, len(got))
         self.hooks.slots(res.bucket, len(res.rows))
+
+    def _read(self, call: _Call, part: str) -> list[tuple[int, Request, int]]:
+        """The call's tokens (the host sync, timed as ``part``), as (slot, request, token)
+        for the rows still held by their request; raises what reading raised."""
+        with self._timed(part):
+            tokens = call.pending.tokens()
+        if len(tokens) != len(call.rows):
+            raise RuntimeError(f"{len(tokens)} tokens for {len(call.rows)} rows")
+        mine = {id(r) for _, r in call.theirs()}
+        return [(s, r, t) for (s, r), t in zip(call.rows, tokens, strict=True) if id(r) in mine]
 
     def _step_failed(
         self,
