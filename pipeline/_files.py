@@ -28,7 +28,9 @@ FILE_MODE = 0o666 & ~_umask()
 
 
 @contextmanager
-def atomic_writer(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
+def atomic_writer(
+    path: Path, mode: str = "wb", *, file_mode: int = FILE_MODE
+) -> Iterator[BinaryIO]:
     """Open a temporary file beside ``path``; rename it over ``path`` only on success."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _mkstemp(path)
@@ -37,7 +39,7 @@ def atomic_writer(path: Path, mode: str = "wb") -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, FILE_MODE)
+        os.chmod(tmp, file_mode)
         os.replace(tmp, path)
     except OSError as e:
         raise _naming(e, path, tmp) from e
@@ -92,8 +94,8 @@ def atomic_write_text(path: Path, text: str) -> None:
         f.write(text)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    with atomic_writer(path, "wb") as f:
+def atomic_write_bytes(path: Path, data: bytes, *, mode: int = FILE_MODE) -> None:
+    with atomic_writer(path, "wb", file_mode=mode) as f:
         f.write(data)
 
 

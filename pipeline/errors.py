@@ -134,3 +134,9 @@ class TraceValueError(TraceError):
 
 class EmptyTraceError(TraceError):
     """A trace has no requests to fit (no header, or a header and no rows)."""
+
+
+class VerificationError(InputError):
+    """A release is not what its signer published: an unsigned release where a key is
+    trusted, a signature that does not verify or is by an untrusted key, a channel pointer
+    whose manifest digest differs. Nothing is installed; retrying never helps (exit 2)."""

@@ -16,23 +16,26 @@ step "2. validate and plan $CONFIG"
 $CLI validate "$CONFIG"
 $CLI plan "$CONFIG"
 
-step "3. release: compile every bucket on cpu (GQA-padded for tp 4), then publish to artifacts/"
-$CLI release "$CONFIG" --jobs 2 --json > artifacts/.demo-release.json
+step "3. release: compile every bucket on cpu (GQA-padded for tp 4), then publish to artifacts/, signed"
+# A local signing key for the demo (CI signs with a KMS key: docs/store.md, "Signed releases").
+KEY=artifacts/demo-signing.pem
+[ -f "$KEY" ] || $CLI keygen "$KEY"
+$CLI release "$CONFIG" --jobs 2 --sign "$KEY" --json > artifacts/.demo-release.json
 version=$($PY -c 'import json; print(json.load(open("artifacts/.demo-release.json"))["publish"]["version"])')
 echo "released tiny-llama $version"
-$CLI promote tiny-llama "$version" --channel demo --store artifacts
-$CLI list tiny-llama --store artifacts
+$CLI promote tiny-llama "$version" --channel demo --store artifacts --trust "${KEY%.pem}.pub.pem"
+$CLI list tiny-llama --store artifacts --trust "${KEY%.pem}.pub.pem"
 
-step "4. pull the demo channel into a fresh $DEST/ (what the EKS init container does)"
+step "4. pull the demo channel into a fresh $DEST/, its signature verified (what the EKS init container does)"
 rm -rf "$DEST"
-$CLI pull tiny-llama --channel demo --dest "$DEST" --store artifacts
+$CLI pull tiny-llama --channel demo --dest "$DEST" --store artifacts --trust "${KEY%.pem}.pub.pem"
 
 step "5. load and generate, beside Hugging Face's greedy tokens"
 $CLI run "$DEST/tiny-llama" --prompt-ids 1,17,42,99,5 --max-new-tokens 12 --compare-hf models/tiny-llama
 
 step "6. serve it: OpenAI /v1/completions and /v1/chat/completions on 127.0.0.1, asked by the official client, then stopped"
 log=$(mktemp)
-$CLI serve "$DEST/tiny-llama" --port 0 >"$log" 2>&1 &
+$CLI serve "$DEST/tiny-llama" --port 0 --trust "${KEY%.pem}.pub.pem" >"$log" 2>&1 &
 server=$!
 # The server never outlives the demo, whatever happens below.
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -f "$log"' EXIT

@@ -100,7 +100,24 @@ def test_serving_pod_pulls_with_the_cli():
         "/models",
         "--store",
         "s3://my-model-artifacts/inf2",
+        "--trust",
+        "/etc/inf2-pipeline/trust",
     ] in lines
+
+
+def test_pods_verify_signatures_with_the_pinned_key_and_ci_signs():
+    """Both containers trust the ConfigMap's key folder; the release job signs with KMS."""
+    docs = list(yaml.safe_load_all((REPO / "ci/k8s/serving-pod.yaml").read_text()))
+    config = next(d for d in docs if d["kind"] == "ConfigMap")
+    assert any(name.endswith(".pem") for name in config["data"])
+    pod = next(d for d in docs if d["kind"] == "Pod")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    for c in [*pod["spec"]["initContainers"], *pod["spec"]["containers"]]:
+        trust = c["args"][c["args"].index("--trust") + 1]
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == trust)
+        assert volumes[mount["name"]]["configMap"]["name"] == config["metadata"]["name"]
+    workflow = (REPO / "ci/github/release.yml").read_text()
+    assert '--sign "$SIGNING_KEY"' in workflow and "SIGNING_KEY: kms://" in workflow
 
 
 def test_serving_pod_serves_with_the_cli_and_probes():

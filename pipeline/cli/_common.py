@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -24,6 +25,24 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 StoreOpt = Annotated[
     str | None,
     typer.Option("--store", help="Artifact store: a path, file://PATH or s3://BUCKET/PREFIX."),
+]
+
+TrustOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--trust",
+        help="A public key (PEM) the release must be signed by, or a folder of them; "
+        "repeatable. Unsigned or otherwise signed releases are refused.",
+        show_default=False,
+    ),
+]
+SignOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--sign",
+        help="Sign the release: kms://alias/NAME, a KMS key ARN, or a PEM private key file.",
+        show_default=False,
+    ),
 ]
 
 

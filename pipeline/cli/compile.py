@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOpt, StoreOpt, print_json, sigterm_unwinds
+from pipeline.cli._common import JsonOpt, SignOpt, StoreOpt, print_json, sigterm_unwinds
 
 BackendOpt = Annotated[
     str | None,
@@ -72,15 +72,18 @@ def release(
     version: Annotated[
         str | None, typer.Option("--version", help="Default: UTC date + content digest.")
     ] = None,
+    sign: SignOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Compile every bucket (cache hits are free), then publish the release."""
     from pipeline.compile.release import publish_release
     from pipeline.plan.config import load_config
     from pipeline.store.layout import check_version
+    from pipeline.store.signing import open_signer
 
     if version is not None:  # publish would refuse it, but only after the whole compile
         check_version(version)
+    signer = open_signer(sign) if sign else None  # a bad key fails before the compile
     rel = load_config(config)
     if store:  # one store for both: the cache compile fills is the one publish reads
         rel = replace(rel, config=rel.config.model_copy(update={"store": store}))
@@ -89,16 +92,17 @@ def release(
         if json:
             print_json({"compile": report.to_dict(), "publish": None})
         _raise_if_failed(report)
-    result = publish_release(rel, version=version, backend=report.backend)
+    result = publish_release(rel, version=version, backend=report.backend, signer=signer)
     if json:
         print_json({"compile": report.to_dict(), "publish": result.to_dict()})
     else:
         state = "published" if result.created else "already published"
+        signed = f", signed by key {result.signed_by[:16]}" if result.signed_by else ""
         typer.echo(
             f"{state} {result.model} {result.version} to {result.store} "
             f"({report.compiled} of {len(report.results)} buckets compiled, weights "
             f"{_weights_word(report)}; {result.uploaded_files} files, "
-            f"{result.uploaded_bytes} bytes uploaded)"
+            f"{result.uploaded_bytes} bytes uploaded{signed})"
         )
 
 

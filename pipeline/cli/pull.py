@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import typer
 
 from pipeline._files import path_error, within
-from pipeline.cli._common import JsonOpt, StoreOpt, human_bytes, print_json
+from pipeline.cli._common import JsonOpt, StoreOpt, TrustOpt, human_bytes, print_json
 from pipeline.errors import InputError, PipelineError
 
 Verify = Literal["parts", "full"]
@@ -54,13 +54,16 @@ def pull(
             "where free); full: also re-read and check every file's whole sha256.",
         ),
     ] = "parts",
+    trust: TrustOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Download a release (files and ranges in parallel, every part sha256-verified as it
     lands) and install it atomically."""
     from pipeline.install.pull import pull_release
     from pipeline.store import open_store
+    from pipeline.store.signing import load_trust
 
+    keys = load_trust(trust)
     source = open_store(store)
     size = parse_size(part_size, "--part-size")
     try:
@@ -73,6 +76,7 @@ def pull(
             concurrency=concurrency,
             part_size=size,
             verify=verify,
+            trust=keys,
         )
     except OSError as e:
         # Name --dest, not the staging directory or temporary file under it where it failed.
@@ -83,9 +87,14 @@ def pull(
         if type(e) is PipelineError and "://" not in e.what and within(Path(e.what), dest):
             raise PipelineError(f"--dest {dest}", e.why, e.hint) from e
         raise
+    if keys is None:
+        typer.echo("note: not verifying signatures (no --trust given)", err=True)
     if json:
         print_json(result.to_dict())
-    elif result.already_installed:
+        return
+    if keys is not None:
+        typer.echo(f"verified: {model} {result.version} signed by key {result.signed_by[:16]}")
+    if result.already_installed:
         typer.echo(f"{model} {result.version} already installed at {result.path}")
     else:
         typer.echo(

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from pipeline.cli._common import TrustOpt
+
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
@@ -89,6 +91,7 @@ def serve(
             "open). Prefer the environment variable: a command line is visible in ps.",
         ),
     ] = None,
+    trust: TrustOpt = None,
 ) -> None:
     """Serve the release over HTTP (OpenAI /v1/completions): requests join the buckets'
     slots at every step."""
@@ -112,7 +115,13 @@ def serve(
             f"the server's packages are not installed ({e.name})",
             "pip install 'inf2-pipeline[serve]'",
         ) from None
-    open_installed(path, verify="size")  # a wrong path fails now, in one line, before binding
+    from pipeline.store.signing import load_trust
+
+    keys = load_trust(trust)
+    # a wrong path or an unsigned release fails now, in one line, before binding
+    open_installed(path, verify="size", trust=keys)
+    if keys is None:
+        typer.echo("note: not verifying the release's signature (no --trust)", err=True)
     run(
         ServeOptions(
             path,
@@ -127,5 +136,6 @@ def serve(
             chat_max_tokens=chat_max_tokens,
             coalesce=coalesce,
             overlap=overlap,
+            trust=keys,
         )
     )

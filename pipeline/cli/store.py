@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from pipeline.cli._common import JsonOpt, StoreOpt, human_bytes, print_json
+from pipeline.cli._common import JsonOpt, SignOpt, StoreOpt, TrustOpt, human_bytes, print_json
 from pipeline.errors import NotFoundError
 
 ModelArg = Annotated[str, typer.Argument(help="Model name (the config's model.name).")]
@@ -31,6 +31,9 @@ def register(app: typer.Typer) -> None:
     app.command("show")(show)
     app.command("diff")(diff)
     app.command("gc")(gc)
+    app.command("sign")(sign)
+    app.command("keygen")(keygen)
+    app.command("pubkey")(pubkey)
 
 
 def _open(url: str | None):
@@ -57,12 +60,15 @@ def publish(
         ),
     ] = None,
     store: StoreOpt = None,
+    sign: SignOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Publish compiled buckets as an immutable release: missing blobs, then the manifest."""
     from pipeline.compile.release import publish_release
     from pipeline.plan.config import load_config
+    from pipeline.store.signing import open_signer
 
+    signer = open_signer(sign) if sign else None
     release = load_config(config)
     dest = _open(store) if store else None
     with _progress("uploading", quiet=json) as advance:
@@ -74,15 +80,17 @@ def publish(
             jobs=jobs,
             progress=advance,
             shard_count=shard_count,
+            signer=signer,
         )
     if json:
         print_json(r.to_dict())
         return
     what = "published" if r.created else "already published (identical content)"
+    signed = f"; signed by key {r.signed_by[:16]}" if r.signed_by else ""
     typer.echo(
         f"{what}: {r.model} {r.version} in {r.store}: {r.files} files, "
         f"{human_bytes(r.total_bytes)}; uploaded {r.uploaded_files} files "
-        f"({human_bytes(r.uploaded_bytes)}) in {r.seconds:.1f} s"
+        f"({human_bytes(r.uploaded_bytes)}) in {r.seconds:.1f} s{signed}"
     )
 
 
@@ -91,12 +99,15 @@ def promote(
     version: Annotated[str, typer.Argument(help="The release to point the channel at.")],
     channel: Annotated[str, typer.Option("--channel", help="The channel to move.")],
     store: StoreOpt = None,
+    trust: TrustOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Point a channel at a release (compare-and-swap; records who, when and the previous)."""
+    """Point a channel at a release (compare-and-swap; records who, when, the previous and
+    the manifest's sha256). With --trust, refuses a release the pods would refuse."""
     from pipeline.store.channels import promote as promote_channel
+    from pipeline.store.signing import load_trust
 
-    ch = promote_channel(_open(store), model, version, channel)
+    ch = promote_channel(_open(store), model, version, channel, trust=load_trust(trust))
     if json:
         print_json(ch.model_dump(mode="json"))
         return
@@ -106,10 +117,16 @@ def promote(
 def list_(
     model: Annotated[str | None, typer.Argument(help="List this model's releases.")] = None,
     store: StoreOpt = None,
+    trust: TrustOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """List models, or one model's releases (newest first) with their channels."""
+    """List models, or one model's releases (newest first) with their channels and who
+    signed each (trusted: by a --trust key; untrusted: intact, by another key)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from pipeline.store.releases import channels_by_version, list_models, list_releases
+    from pipeline.store.signing import load_trust
+    from pipeline.store.verified import signature_info
 
     s = _open(store)
     if model is None:
@@ -143,6 +160,9 @@ def list_(
         # Nothing under models/MODEL/: most likely a typo, which an empty list would hide.
         # A model whose releases were all deleted but keeps a channel is known: empty list.
         raise _unknown_model(s, model)
+    keys = load_trust(trust)
+    with ThreadPoolExecutor(16) as pool:
+        sigs = list(pool.map(lambda m: signature_info(s, model, m.version, keys), releases))
     rows = [
         {
             "version": m.version,
@@ -151,8 +171,9 @@ def list_(
             "buckets": len(m.buckets),
             "bytes": m.total_size,
             "channels": channels.get(m.version, []),
+            "signature": sig.to_dict(),
         }
-        for m in releases
+        for m, sig in zip(releases, sigs, strict=True)
     ]
     if json:
         print_json(rows)
@@ -162,12 +183,14 @@ def list_(
         return
     width = max(len("version"), *(len(r["version"]) for r in rows))
     typer.echo(
-        f"{'version':<{width}}  {'created (UTC)':<16}  backend  buckets  {'size':>10}  channels"
+        f"{'version':<{width}}  {'created (UTC)':<16}  backend  buckets  {'size':>10}  "
+        f"{'signed by':<28}  channels"
     )
-    for r in rows:
+    for r, sig in zip(rows, sigs, strict=True):
         line = (
             f"{r['version']:<{width}}  {r['created'][:16].replace('T', ' '):<16}  "
             f"{r['backend']:<7}  {r['buckets']:>7}  {human_bytes(r['bytes']):>10}  "
+            f"{sig.line():<28}  "
         )
         typer.echo((line + ", ".join(r["channels"])).rstrip())
 
@@ -191,11 +214,14 @@ def show(
     version: Annotated[str | None, typer.Argument(help="The release version.")] = None,
     channel: ChannelOpt = None,
     store: StoreOpt = None,
+    trust: TrustOpt = None,
     json: JsonOpt = False,
 ) -> None:
-    """Show a release's manifest: facts, buckets and files."""
+    """Show a release's manifest: facts, signature, buckets and files."""
     from pipeline.errors import InputError
     from pipeline.store.releases import channels_by_version, resolve_release
+    from pipeline.store.signing import load_trust
+    from pipeline.store.verified import signature_info
 
     if (version is None) == (channel is None):
         raise InputError(
@@ -206,11 +232,13 @@ def show(
     s = _open(store)
     m = resolve_release(s, model, version, channel)
     channels = channels_by_version(s, model).get(m.version, [])
+    sig = signature_info(s, model, m.version, load_trust(trust))
     if json:
         print_json(
             {
                 "manifest": m.model_dump(mode="json"),
                 "channels": channels,
+                "signature": sig.to_dict(),
                 "content_digest": m.content_digest(),
                 "total_bytes": m.total_size,
             }
@@ -228,6 +256,7 @@ def show(
         f"weights {m.weights_digest[:16]}; content {m.content_digest()[:16]}; "
         f"{human_bytes(m.total_size)}"
     )
+    echo(f"signed by: {sig.line()}" + (f", {sig.signer}" if sig.signer else ""))
     echo(f"{'bucket':<14} {'batch':>5} {'seq':>6} {'files':>5} {'size':>11}")
     for name, b in m.buckets.items():
         size = human_bytes(sum(f.size for f in b.files))
@@ -241,18 +270,27 @@ def diff(
     a: Annotated[str, typer.Argument(help="The older release.")],
     b: Annotated[str, typer.Argument(help="The newer release.")],
     store: StoreOpt = None,
+    trust: TrustOpt = None,
     json: JsonOpt = False,
 ) -> None:
     """Compare two releases: buckets and files added, removed, changed; changed facts."""
     from pipeline.store.diff import diff_releases
     from pipeline.store.releases import read_release
+    from pipeline.store.signing import load_trust
+    from pipeline.store.verified import signature_info
 
     s = _open(store)
+    keys = load_trust(trust)
     d = diff_releases(read_release(s, model, a), read_release(s, model, b))
+    sig_a, sig_b = (signature_info(s, model, v, keys) for v in (a, b))
     if json:
-        print_json(d.to_dict())
+        print_json({**d.to_dict(), "signature_a": sig_a.to_dict(), "signature_b": sig_b.to_dict()})
         return
     typer.echo(f"{model} {a} → {b}: {human_bytes(d.bytes_a)} → {human_bytes(d.bytes_b)}")
+    same_key = sig_a.key_id == sig_b.key_id
+    typer.echo(
+        f"  signed by: {sig_a.line()} → {sig_b.line()}" + ("" if same_key else "  (signer changed)")
+    )
     if d.identical:
         typer.echo("identical content")
         return
@@ -309,6 +347,63 @@ def gc(
     )
     if r.young_orphans:
         typer.echo(f"spared {r.young_orphans} unreferenced blobs younger than {grace_hours:g} h")
+
+
+def sign(
+    model: ModelArg,
+    version: Annotated[str, typer.Argument(help="The release to sign.")],
+    key: Annotated[
+        str,
+        typer.Option("--key", help="kms://alias/NAME, a KMS key ARN, or a PEM private key file."),
+    ],
+    replace: Annotated[
+        bool, typer.Option("--replace", help="Replace a valid signature by another key.")
+    ] = False,
+    store: StoreOpt = None,
+) -> None:
+    """Sign a published release's manifest (one published unsigned, or re-signed by a new
+    key): pods that trust the key will then pull it."""
+    from pipeline.store.publish import sign_release
+    from pipeline.store.signing import open_signer
+
+    signer = open_signer(key)
+    made = sign_release(_open(store), model, version, signer, replace=replace)
+    state = "signed" if made else "already signed"
+    typer.echo(f"{state}: {model} {version} by key {signer.key_id[:16]} ({signer.signer})")
+
+
+def keygen(
+    path: Annotated[Path, typer.Argument(help="The private key file to write (PEM).")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a key there.")] = False,
+) -> None:
+    """Make an ECDSA P-256 signing key pair: PATH (mode 0600) and PATH's .pub.pem (for
+    --trust). For production releases prefer a KMS key: its private half never leaves KMS."""
+    from pipeline.store.signing import PemSigner, write_keypair
+
+    private, public = write_keypair(path, overwrite=overwrite)
+    typer.echo(f"wrote {private} and {public} (key {PemSigner(private).key_id[:16]})")
+
+
+def pubkey(
+    key: Annotated[
+        str, typer.Argument(help="kms://alias/NAME, a KMS key ARN, or a PEM private key file.")
+    ],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Write the PEM here (default: stdout).")
+    ] = None,
+) -> None:
+    """Print a signing key's public key (PEM), to pin in the pods' --trust: fetched from KMS
+    once here, so a pod verifies with no KMS call."""
+    from pipeline._files import atomic_write_bytes
+    from pipeline.store.signing import open_signer, public_pem
+
+    signer = open_signer(key)
+    pem = public_pem(signer.public_key)
+    if out is None:
+        typer.echo(pem, nl=False)
+        return
+    atomic_write_bytes(out, pem.encode())
+    typer.echo(f"wrote {out} (key {signer.key_id[:16]})", err=True)
 
 
 @contextmanager

@@ -33,6 +33,7 @@ from pipeline.store.publish import (
     PublishResult,
     publish,
 )
+from pipeline.store.signing import Signer
 
 # (release, bucket, backend) -> graph key; the compile stage owns the real one.
 KeyFn = Callable[..., str]
@@ -275,6 +276,7 @@ def publish_release(
     progress: ProgressFn | None = None,
     shard_count: int | None = None,
     weights_key_fn: WeightsKeyFn | None = None,
+    signer: Signer | None = None,
 ) -> PublishResult:
     """Publish what compile produced for ``release`` into ``store`` (default: the config's
     store, which is also where the compile cache lives). ``key_fn`` without
@@ -298,4 +300,6 @@ def publish_release(
         for ref in entry.files:
             sources.setdefault(ref.sha256, cache)
     manifest = build_manifest(release, backend, entries, top, weights=weights)
-    return publish(dest, manifest, sources, version=version, jobs=jobs, progress=progress)
+    return publish(
+        dest, manifest, sources, version=version, jobs=jobs, progress=progress, signer=signer
+    )

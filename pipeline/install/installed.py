@@ -6,6 +6,7 @@ inf2-pipeline", any other defect one line naming the field; both exit 2) and che
 ``verify="size"`` (cheap, at load time) or ``verify="sha256"`` (pull and parity).
 
 DEST/<model>/<version>/manifest.json          the release manifest, verbatim
+DEST/<model>/<version>/signature.json         its signature (pipeline.store.signing), if any
 DEST/<model>/<version>/<path>                 release-wide files (e.g. the model config)
 DEST/<model>/<version>/buckets/<name>/<path>  each bucket's files
 DEST/<model>/current -> <version>             swapped atomically after a complete install
@@ -24,8 +25,11 @@ from pipeline._files import sha256_file
 from pipeline.errors import InputError, IntegrityError, PipelineError
 from pipeline.store.blobs import FileRef
 from pipeline.store.manifest import Manifest, parse_manifest
+from pipeline.store.signing import Trust, parse_signature
+from pipeline.store.signing import verify as verify_signature
 
 MANIFEST = "manifest.json"
+SIGNATURE = "signature.json"  # the manifest's signature, where the release is signed
 CURRENT = "current"
 BUCKETS = "buckets"
 # A file lands as `.<name>.incomplete` beside its final name, then is renamed over it; no
@@ -67,10 +71,10 @@ def release_files(manifest: Manifest) -> list[tuple[PurePosixPath, FileRef]]:
         ]
     seen: set[PurePosixPath] = set()
     for rel, _ in files:
-        if rel in seen or rel == PurePosixPath(MANIFEST):
+        if rel in seen or rel in (PurePosixPath(MANIFEST), PurePosixPath(SIGNATURE)):
             raise InputError(
                 f"manifest path '{rel}'",
-                "appears twice or shadows manifest.json",
+                "appears twice or shadows manifest.json or signature.json",
                 "republish the release",
             )
         seen.add(rel)
@@ -114,23 +118,39 @@ class InstalledRelease:
         return self.dir / BUCKETS / name
 
 
-def read_installed_manifest(release_dir: Path) -> Manifest:
-    """The manifest of an installed release, through the one manifest parser."""
+def read_installed_manifest(release_dir: Path, trust: Trust | None = None) -> Manifest:
+    """The manifest of an installed release, through the one manifest parser; with
+    ``trust``, refused (``VerificationError``) unless ``signature.json`` beside it is a
+    trusted key's signature of its exact bytes."""
     path = Path(release_dir) / MANIFEST
+    data = _read(path)
+    manifest = parse_manifest(data, str(path))
+    if trust is not None:
+        sig_path = path.with_name(SIGNATURE)
+        sig = parse_signature(_read(sig_path), str(sig_path)) if sig_path.is_file() else None
+        verify_signature(sig, manifest.model, manifest.version, data, trust)
+    return manifest
+
+
+def _read(path: Path) -> bytes:
     try:
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as e:
         raise InputError(str(path), f"unreadable: {e.strerror}", "pull the release again") from None
-    return parse_manifest(data, str(path))
 
 
 def open_installed(
-    path: Path | str, *, verify: Verify = "size", buckets: Collection[str] | None = None
+    path: Path | str,
+    *,
+    verify: Verify = "size",
+    buckets: Collection[str] | None = None,
+    trust: Trust | None = None,
 ) -> InstalledRelease:
-    """``DIR/MODEL`` (following ``current``) or a release directory, its manifest read and
-    its files checked (every release-wide file, and the files of ``buckets``, default all)."""
+    """``DIR/MODEL`` (following ``current``) or a release directory, its manifest read (and
+    its signature checked against ``trust``) and its files checked (every release-wide
+    file, and the files of ``buckets``, default all)."""
     release_dir = find_release(path)
-    installed = InstalledRelease(release_dir, read_installed_manifest(release_dir))
+    installed = InstalledRelease(release_dir, read_installed_manifest(release_dir, trust))
     if verify != "none":
         verify_files(installed, verify, buckets)
     return installed

@@ -46,14 +46,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pipeline._files import FILE_MODE, sha256_file, user_visible
+from pipeline._files import FILE_MODE, atomic_write_bytes, sha256_file, user_visible
 from pipeline._progress import ByteProgress, byte_progress
 from pipeline.errors import IntegrityError, PipelineError, StoreError
-from pipeline.install.installed import CURRENT, MANIFEST, TEMPORARY_SUFFIX, release_files
+from pipeline.install.installed import (
+    CURRENT,
+    MANIFEST,
+    SIGNATURE,
+    TEMPORARY_SUFFIX,
+    release_files,
+)
 from pipeline.store.base import Store
 from pipeline.store.blobs import PART_SIZE, FileRef
 from pipeline.store.layout import blob_key
-from pipeline.store.releases import read_release_bytes, resolve_version
+from pipeline.store.signing import Trust
+from pipeline.store.verified import read_verified
 
 DEFAULT_PART = PART_SIZE  # bytes per ranged GET; rounded to whole manifest parts
 RETRIES = 6  # transport errors (throttling, 5xx, resets) per request
@@ -111,6 +118,8 @@ class PullResult:
     concurrency: int = 0
     part_size: int = 0
     verify: str = "parts"
+    signed_by: str | None = None  # the signing key's id, as stored
+    signature: str = "not checked"  # "verified" against a trusted key, or "not checked"
 
     @property
     def throughput(self) -> float:
@@ -131,12 +140,16 @@ def pull_release(
     concurrency: int | None = None,
     part_size: int = DEFAULT_PART,
     verify: Verify = "parts",
+    trust: Trust | None = None,
 ) -> PullResult:
-    """Install a release; see the module docstring."""
+    """Install a release; see the module docstring. ``trust``: install only a release
+    whose manifest a trusted key signed (``pipeline.store.verified``); nothing is written
+    before that is checked."""
     start = time.monotonic()
     concurrency = concurrency or default_concurrency()
-    version = resolve_version(store, model, version, channel)
-    manifest, raw = read_release_bytes(store, model, version)
+    release = read_verified(store, model, version=version, channel=channel, trust=trust)
+    manifest, raw, version = release.manifest, release.data, release.manifest.version
+    sig = release.signature.model_dump_json(indent=2).encode() if release.signature else None
     files = release_files(manifest)  # refuses paths that leave the release directory
     model_dir = Path(dest) / model
     final = model_dir / version
@@ -144,14 +157,27 @@ def pull_release(
     result = PullResult(
         model, version, final, len(files), 0, total, 0.0, True,
         concurrency=concurrency, part_size=part_size, verify=verify,
+        signed_by=release.signature.key_id if release.signature else None,
+        signature="verified" if release.trusted else "not checked",
     )  # fmt: skip
     if (final / MANIFEST).is_file() and (final / MANIFEST).read_bytes() == raw:
+        _install_signature(final, sig)  # signed since it was installed, or re-signed
         _point_current(model_dir, version)
         return replace(result, seconds=time.monotonic() - start)
 
     staging = model_dir / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
+    _install_signature(staging, sig)
     return _pull_into(store, staging, final, model_dir, files, raw, result, start, part_size)
+
+
+def _install_signature(release_dir: Path, sig: bytes | None) -> None:
+    """``signature.json`` beside the manifest (what ``open_installed(trust=...)`` checks)."""
+    path = release_dir / SIGNATURE
+    if sig is None:
+        path.unlink(missing_ok=True)
+    elif not path.is_file() or path.read_bytes() != sig:
+        atomic_write_bytes(path, sig)
 
 
 def _pull_into(

@@ -21,6 +21,7 @@ from pipeline.errors import InputError
 from pipeline.install.installed import InstalledRelease, open_installed, reading
 from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.runtime.runners import Runner, Session, Slots, open_runner
+from pipeline.store.signing import Trust
 
 
 class BucketedModel:
@@ -40,12 +41,19 @@ class BucketedModel:
 
     @classmethod
     def load(
-        cls, path: Path | str, backend: str = "auto", *, cuda_graphs: bool = True, **options: Any
+        cls,
+        path: Path | str,
+        backend: str = "auto",
+        *,
+        cuda_graphs: bool = True,
+        trust: Trust | None = None,
+        **options: Any,
     ) -> BucketedModel:
-        """``DIR/MODEL`` (following ``current``) or a release directory; checks the manifest,
-        the files (by size), and that this runtime can run the release. ``options`` go to
-        the backend's runner (neuron: ``hbm_budget``, bytes per NeuronCore)."""
-        installed = open_installed(path, verify="size")
+        """``DIR/MODEL`` (following ``current``) or a release directory; checks the manifest
+        (with ``trust``: its signature, before anything else is read), the files (by size),
+        and that this runtime can run the release. ``options`` go to the backend's runner
+        (neuron: ``hbm_budget``, bytes per NeuronCore)."""
+        installed = open_installed(path, verify="size", trust=trust)
         with reading(installed):
             runner = open_runner(installed, backend, cuda_graphs=cuda_graphs, **options)
         return cls(installed, runner)

@@ -7,6 +7,7 @@ Phases: loading → warming up → ready (→ draining); or failed, with the err
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import threading
@@ -42,12 +43,14 @@ class ServeOptions:
     coalesce: bool = False
     # launch each iteration's steps before reading the last one's tokens (cpu/cuda slots)
     overlap: bool = True
+    # the keys whose signature the release must carry (pipeline.store.signing.Trust)
+    trust: Any = None
 
 
 class Service:
     def __init__(self, options: ServeOptions, loader: Callable[[Path], Any] | None = None):
         self.options = options
-        self.loader = loader or _load_model
+        self.loader = loader or functools.partial(_load_model, trust=options.trust)
         self.metrics = Metrics()
         self.phase = "loading"
         self.error: str | None = None
@@ -164,7 +167,7 @@ def warm(slots: Any) -> None:
         slots.free(1)
 
 
-def _load_model(path: Path) -> Any:
+def _load_model(path: Path, trust: Any = None) -> Any:
     from pipeline.runtime import BucketedModel
 
-    return BucketedModel.load(path)
+    return BucketedModel.load(path, trust=trust)

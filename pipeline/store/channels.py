@@ -23,6 +23,7 @@ from pipeline.errors import (
 from pipeline.store.base import Store
 from pipeline.store.layout import channel_key, channels_prefix
 from pipeline.store.manifest import first_problem, json_object
+from pipeline.store.signing import Trust, manifest_digest, verify_in_store
 
 CHANNEL_SCHEMA = 1
 HISTORY = 20  # moves kept in the pointer file
@@ -37,6 +38,7 @@ class Move(BaseModel):
     by: str
     at: str  # ISO 8601, UTC
     principal: str | None = None  # the AWS identity, when the store is S3
+    manifest_sha256: str | None = None  # the exact manifest moved to (None: before 0.x)
 
 
 class Channel(BaseModel):
@@ -52,6 +54,10 @@ class Channel(BaseModel):
     by: str
     at: str
     principal: str | None = None
+    # sha256 of the manifest's stored bytes: the pointer names exactly one manifest, and
+    # pull refuses a release whose manifest is not those bytes (pointers written before
+    # this field hold none; where a key is trusted, pull refuses those too)
+    manifest_sha256: str | None = None
     history: list[Move] = []  # newest first, the current move included
 
 
@@ -98,19 +104,30 @@ def whoami() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _check_release(store: Store, model: str, version: str) -> None:
-    """The release exists and its manifest reads: a channel must never point at a release
-    that no pod could pull."""
-    from pipeline.store.releases import read_release  # which imports this module
+def _check_release(store: Store, model: str, version: str, trust: Trust | None) -> str:
+    """The release exists, its manifest reads (and, with ``trust``, is signed by a trusted
+    key): a channel must never point at a release that no pod could pull. Returns the
+    sha256 of the manifest's bytes."""
+    from pipeline.store.releases import read_release_bytes  # which imports this module
 
-    read_release(store, model, version)
+    _, data = read_release_bytes(store, model, version)
+    if trust is not None:
+        verify_in_store(store, model, version, data, trust)
+    return manifest_digest(data)
 
 
 def promote(
-    store: Store, model: str, version: str, channel: str, *, by: str | None = None
+    store: Store,
+    model: str,
+    version: str,
+    channel: str,
+    *,
+    by: str | None = None,
+    trust: Trust | None = None,
 ) -> Channel:
-    """Point ``channel`` at an existing release; compare-and-swap, retried on a lost race."""
-    _check_release(store, model, version)
+    """Point ``channel`` at an existing release; compare-and-swap, retried on a lost race.
+    ``trust``: refuse a release that pods trusting those keys would refuse."""
+    digest = _check_release(store, model, version, trust)
     by = by or whoami()
     principal = store.principal()
     key = channel_key(model, channel)
@@ -123,6 +140,7 @@ def promote(
             by=by,
             at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             principal=principal,
+            manifest_sha256=digest,
         )
         new = Channel(
             model=model,

@@ -30,7 +30,7 @@ from pipeline.errors import AlreadyExistsError, InputError, NotFoundError
 from pipeline.store.base import ObjectInfo, Store
 from pipeline.store.cache import CacheEntry, read_cache_entry
 from pipeline.store.channels import list_channels
-from pipeline.store.layout import BLOBS_PREFIX, CACHE_PREFIX, release_key
+from pipeline.store.layout import BLOBS_PREFIX, CACHE_PREFIX, release_key, signatures_prefix
 from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.releases import READ_CONCURRENCY, list_models, list_releases
 
@@ -79,6 +79,10 @@ def gc(
                 _restore(store, m)
                 kept.append(m)
         doomed = [m for m in doomed if m not in kept]
+        # their signatures go with them (after the restore: a restored release keeps its own)
+        store.delete_many(
+            k for m in doomed for k in list(store.list(signatures_prefix(model, m.version)))
+        )
 
     remaining = _remaining_releases(store, model, kept, doomed, dry_run)
     used_keys = {k for m in remaining for b in m.buckets.values() for k in _keys(b)}

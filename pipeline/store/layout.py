@@ -42,6 +42,18 @@ def releases_prefix(model: str) -> str:
     return f"models/{_check('model', model)}/releases/"
 
 
+def signature_key(model: str, version: str, manifest_sha256: str) -> str:
+    """The signature of one manifest's exact bytes: keyed by their digest, so writing it
+    never overwrites the signature of other bytes (a racing or crashed publish)."""
+    if not _HEX.match(manifest_sha256):
+        raise InputError(f"digest '{manifest_sha256}'", "not a sha256 hex digest", None)
+    return f"{signatures_prefix(model, version)}{manifest_sha256}.json"
+
+
+def signatures_prefix(model: str, version: str) -> str:
+    return f"models/{_check('model', model)}/signatures/{_check('version', version)}/"
+
+
 def channel_key(model: str, channel: str) -> str:
     return f"models/{_check('model', model)}/channels/{_check('channel', channel)}.json"
 

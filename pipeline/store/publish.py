@@ -25,11 +25,27 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import AlreadyExistsError, InputError, IntegrityError, NotFoundError
+from pipeline.errors import (
+    AlreadyExistsError,
+    InputError,
+    IntegrityError,
+    NotFoundError,
+    VerificationError,
+)
 from pipeline.store.base import Store
 from pipeline.store.blobs import FileRef, file_ref
 from pipeline.store.layout import blob_key, release_key
 from pipeline.store.manifest import Manifest, parse_manifest
+from pipeline.store.signing import (
+    Signer,
+    Trust,
+    check,
+    manifest_digest,
+    read_signature,
+    sign_manifest,
+    verify_in_store,
+    write_signature,
+)
 
 # Where a blob's bytes come from: a local file, or a store that holds blobs/sha256/<hex>.
 BlobSource = Path | Store
@@ -50,6 +66,7 @@ class PublishResult:
     uploaded_bytes: int
     seconds: float
     content_digest: str
+    signed_by: str | None = None  # the signing key's id
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,8 +86,12 @@ def publish(
     version: str | None = None,
     jobs: int = DEFAULT_JOBS,
     progress: ProgressFn | None = None,
+    signer: Signer | None = None,
 ) -> PublishResult:
-    """Upload the blobs ``dest`` lacks, then create the manifest if absent."""
+    """Upload the blobs ``dest`` lacks, then create the manifest if absent. ``signer``: sign
+    the manifest's bytes, storing the signature before the manifest, so a signed release is
+    never seen unsigned (the signature is keyed by the bytes' digest: it overwrites nothing).
+    Publishing the same content again signs the stored manifest if it is not yet signed."""
     t0 = time.monotonic()
     now = datetime.now(timezone.utc)
     version = version or default_version(manifest, now)
@@ -96,10 +117,12 @@ def publish(
             uploaded_bytes=uploaded[1],
             seconds=round(time.monotonic() - t0, 3),
             content_digest=manifest.content_digest(),
+            signed_by=signer.key_id if signer else None,
         )
 
     # Fail before uploading gigabytes when the version is taken by other content.
     if _same_release_exists(dest, manifest, key):
+        _sign_existing(dest, manifest, key, signer)
         return result(created=False)
     uploader = _Uploader(dest, sources, progress)
     with ThreadPoolExecutor(max(1, jobs)) as pool:
@@ -112,13 +135,55 @@ def publish(
         ):
             if size != ref.size:
                 uploader.upload(ref)
+    data = manifest.to_bytes()
+    if signer is not None:
+        write_signature(
+            dest, manifest.model, version, sign_manifest(signer, manifest.model, version, data)
+        )
     try:
-        dest.put_bytes(key, manifest.to_bytes(), if_absent=True)
+        dest.put_bytes(key, data, if_absent=True)
     except AlreadyExistsError:
         if _same_release_exists(dest, manifest, key):
+            _sign_existing(dest, manifest, key, signer)
             return result(created=False, uploaded=uploader.counts())
         raise
     return result(created=True, uploaded=uploader.counts())
+
+
+def sign_release(
+    dest: Store, model: str, version: str, signer: Signer, *, replace: bool = False
+) -> bool:
+    """Sign the stored manifest of ``model`` ``version`` (a release published unsigned, or
+    one re-signed by a new key with ``replace``). False when ``signer`` had signed it already."""
+    data = dest.get_bytes(release_key(model, version))
+    parse_manifest(data, f"{dest.url}/{release_key(model, version)}")
+    return _sign_bytes(dest, model, version, data, signer, replace=replace)
+
+
+def _sign_existing(dest: Store, manifest: Manifest, key: str, signer: Signer | None) -> None:
+    if signer is not None:
+        _sign_bytes(dest, manifest.model, manifest.version, dest.get_bytes(key), signer)
+
+
+def _sign_bytes(
+    dest: Store, model: str, version: str, data: bytes, signer: Signer, *, replace: bool = False
+) -> bool:
+    try:
+        verify_in_store(dest, model, version, data, Trust({signer.key_id: signer.public_key}))
+        return False  # already signed by this key
+    except VerificationError:
+        pass
+    existing = read_signature(dest, model, version, manifest_digest(data))
+    other_key = existing is not None and existing.key_id != signer.key_id
+    # a valid signature by another key stays unless replaced; an invalid one is overwritten
+    if other_key and not replace and check(existing, model, version, data, None) == "untrusted":
+        raise AlreadyExistsError(
+            f"release {model} {version}",
+            f"already signed by key {existing.short_id}",
+            "pass --replace to sign it with this key instead",
+        )
+    write_signature(dest, model, version, sign_manifest(signer, model, version, data))
+    return True
 
 
 def _same_release_exists(dest: Store, manifest: Manifest, key: str) -> bool:

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.errors import InputError, NotFoundError
 from pipeline.store.base import Store
-from pipeline.store.channels import list_channels, read_channel
+from pipeline.store.channels import Channel, list_channels, read_channel
 from pipeline.store.layout import MODELS_PREFIX, release_key, releases_prefix
 from pipeline.store.manifest import Manifest, parse_release
 
@@ -23,6 +23,13 @@ def read_release(store: Store, model: str, version: str) -> Manifest:
 
 def read_release_bytes(store: Store, model: str, version: str) -> tuple[Manifest, bytes]:
     """The manifest and its stored bytes (pull installs them verbatim)."""
+    data = read_manifest_bytes(store, model, version)
+    what = f"release {model} {version} ({store.url}/{release_key(model, version)})"
+    return parse_release(data, what, model, version), data
+
+
+def read_manifest_bytes(store: Store, model: str, version: str) -> bytes:
+    """The stored manifest's bytes, unparsed (pull verifies them before it parses them)."""
     key = release_key(model, version)
     try:
         data = store.get_bytes(key)
@@ -32,18 +39,24 @@ def read_release_bytes(store: Store, model: str, version: str) -> tuple[Manifest
             f"not found in {store.url}",
             f"see 'inf2-pipeline list {model} --store {store.url}'",
         ) from None
-    what = f"release {model} {version} ({store.url}/{key})"
-    return parse_release(data, what, model, version), data
+    return data
 
 
 def resolve_version(
     store: Store, model: str, version: str | None = None, channel: str | None = None
 ) -> str:
     """The version named, or the one ``channel`` points at (exactly one of the two)."""
+    return resolve_pointer(store, model, version, channel)[0]
+
+
+def resolve_pointer(
+    store: Store, model: str, version: str | None = None, channel: str | None = None
+) -> tuple[str, Channel | None]:
+    """``resolve_version``, with the channel's pointer (None when a version was named)."""
     if (version is None) == (channel is None):
         raise InputError(model, "give exactly one of --version or --channel", None)
     if channel is None:
-        return version
+        return version, None
     pointer = read_channel(store, model, channel)
     if pointer is None:
         raise NotFoundError(
@@ -51,7 +64,7 @@ def resolve_version(
             f"not found in {store.url}",
             f"promote a release first: 'inf2-pipeline promote {model} VERSION --channel {channel}'",
         )
-    return pointer.version
+    return pointer.version, pointer
 
 
 def resolve_release(
@@ -111,8 +124,10 @@ __all__ = [
     "list_models",
     "list_releases",
     "list_versions",
+    "read_manifest_bytes",
     "read_release",
     "read_release_bytes",
+    "resolve_pointer",
     "resolve_release",
     "resolve_version",
 ]
