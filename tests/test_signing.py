@@ -376,3 +376,12 @@ def test_load_and_serve_refuse_an_unsigned_install_where_a_key_is_trusted(instal
     # before binding a port or loading anything
     out = run_cli(["serve", str(installed), "--port", "0", "--trust", str(keys["a"][1])])
     one_line(out, 2, "is not signed")
+
+
+def test_kms_errors_speak_of_kms_and_name_the_permission() -> None:
+    from pipeline.errors import StoreError
+    from pipeline.store.signing import _kms_error
+
+    e = _kms_error(StoreError("KMS key k", "S3 error AccessDeniedException: no", "retry later"))
+    assert e.why == "KMS error AccessDeniedException: no" and "kms:Sign" in e.hint
+    assert isinstance(e, StoreError)

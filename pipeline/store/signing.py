@@ -28,7 +28,13 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipeline.errors import InputError, ManifestError, NotFoundError, VerificationError
+from pipeline.errors import (
+    InputError,
+    ManifestError,
+    NotFoundError,
+    PipelineError,
+    VerificationError,
+)
 from pipeline.store.base import Store
 from pipeline.store.layout import signature_key, signatures_prefix
 from pipeline.store.manifest import first_problem, json_object
@@ -224,7 +230,12 @@ def _kms_error(e: Exception) -> Exception:
     """translate_error speaks of S3; a missing KMS key or alias is bad input (exit 2)."""
     if isinstance(e, NotFoundError) or "NotFoundException" in str(e):
         return InputError(e.what, "no such KMS key or alias in this account and region", KMS_HINT)
-    return e
+    if not isinstance(e, PipelineError):
+        return e
+    why = e.why.replace("S3 error", "KMS error")
+    if "access denied" in why or "AccessDenied" in why:
+        return type(e)(e.what, why, "the role needs kms:GetPublicKey and kms:Sign on this key")
+    return type(e)(e.what, why, e.hint)
 
 
 def open_signer(spec: str) -> Signer:
