@@ -120,8 +120,6 @@ def serve(
     keys = load_trust(trust)
     # a wrong path or an unsigned release fails now, in one line, before binding
     open_installed(path, verify="size", trust=keys)
-    if keys is None:
-        typer.echo("note: not verifying the release's signature (no --trust)", err=True)
     run(
         ServeOptions(
             path,

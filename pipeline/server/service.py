@@ -127,6 +127,8 @@ class Service:
         self.metrics.ready.set(1)
         names = ", ".join(b.name for b in resident)
         log.info("ready: %s %s on %s (%s)", self.name, model.manifest.version, model.device, names)
+        if o.trust is None:
+            log.warning("not verifying the release's signature (no --trust)")
         try:
             self.engine.run()
         except EngineFailed as e:  # every request it held was failed; the server stops
