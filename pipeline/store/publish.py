@@ -30,7 +30,6 @@ from pipeline.errors import (
     InputError,
     IntegrityError,
     NotFoundError,
-    VerificationError,
 )
 from pipeline.store.base import Store
 from pipeline.store.blobs import FileRef, file_ref
@@ -43,7 +42,6 @@ from pipeline.store.signing import (
     manifest_digest,
     read_signature,
     sign_manifest,
-    verify_in_store,
     write_signature,
 )
 
@@ -168,20 +166,19 @@ def _sign_existing(dest: Store, manifest: Manifest, key: str, signer: Signer | N
 def _sign_bytes(
     dest: Store, model: str, version: str, data: bytes, signer: Signer, *, replace: bool = False
 ) -> bool:
-    try:
-        verify_in_store(dest, model, version, data, Trust({signer.key_id: signer.public_key}))
-        return False  # already signed by this key
-    except VerificationError:
-        pass
     existing = read_signature(dest, model, version, manifest_digest(data))
-    other_key = existing is not None and existing.key_id != signer.key_id
-    # a valid signature by another key stays unless replaced; an invalid one is overwritten
-    if other_key and not replace and check(existing, model, version, data, None) == "untrusted":
-        raise AlreadyExistsError(
-            f"release {model} {version}",
-            f"already signed by key {existing.short_id}",
-            "pass --replace to sign it with this key instead",
-        )
+    if existing is not None:
+        if existing.key_id == signer.key_id:
+            mine = Trust({signer.key_id: signer.public_key})
+            if check(existing, model, version, data, mine) == "trusted":
+                return False  # already signed by this key
+        # a valid signature by another key stays unless replaced; an invalid one is overwritten
+        elif not replace and check(existing, model, version, data, None) == "untrusted":
+            raise AlreadyExistsError(
+                f"release {model} {version}",
+                f"already signed by key {existing.short_id}",
+                "pass --replace to sign it with this key instead",
+            )
     write_signature(dest, model, version, sign_manifest(signer, model, version, data))
     return True
 
