@@ -61,7 +61,7 @@ def serve_sim(argv: list[str]) -> None:
     timings = Timings.load(Path(path) if path else None)
     model = SimModel(Path(argv[0]), buckets, timings)
     installed.open_installed = lambda *a, **k: None  # there is no release to check
-    service._load_model = lambda path: model
+    service._load_model = lambda path, trust=None: model
     from prometheus_client import Gauge
 
     class Metrics(service.Metrics):  # and the device's busy seconds, beside the engine's split

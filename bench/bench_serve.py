@@ -68,11 +68,13 @@ TRACES = (
     REPO / "shared" / "traces" / TRACE_NAME,
     REPO / "peers" / TRACE_NAME,
 )
-WAYS = ("lone", "serve", "serial", "sampled", "static")
-# Each server the ways run on, and its flags: serial is the engine reading each step's tokens
-# before it launches the next (``serve --no-overlap``), the default's baseline.
+WAYS = ("lone", "serve", "thread", "serial", "sampled", "static")
+# Each server the ways run on, and its flags: thread is the engine on a thread of the server's
+# process (``serve --no-engine-process``), serial the engine reading each step's tokens before
+# it launches the next (``serve --no-overlap``): the default's baselines.
 SERVERS = {
     "iteration": ["--batching", "iteration"],
+    "thread": ["--batching", "iteration", "--no-engine-process"],
     "serial": ["--batching", "iteration", "--no-overlap"],
     "static": ["--batching", "static"],
 }
@@ -709,6 +711,7 @@ def print_table(result: dict[str, Any]) -> None:
     labels = {
         "lone": "lone request (serve)",
         "serve": "serve",
+        "thread": "serve --no-engine-process",
         "serial": "serve --no-overlap",
         "sampled": "serve, T 0.7 top_p 0.9",
         "static": "serve --batching static",
@@ -948,6 +951,8 @@ def main() -> None:
     iteration += [("sampled", c) for c in concs] if "sampled" in chosen else []
     if iteration:
         plan.append(("iteration", iteration))
+    if "thread" in chosen:
+        plan.append(("thread", [("thread", c) for c in concs]))
     if "serial" in chosen:
         plan.append(("serial", [("serial", c) for c in concs]))
     if "static" in chosen:

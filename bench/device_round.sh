@@ -33,12 +33,12 @@ run() {
     --long-batches 1,8,32 --compile-only --out "$R/compile.json" || return
   stage sampler 60 python3 bench/bench_sampler.py || return
   stage serve256 280 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
-    --ways lone,serve,serial,sampled,static --tolerate-mismatch "${PEER[@]}" \
+    --ways lone,serve,thread,sampled,static --tolerate-mismatch "${PEER[@]}" \
     --json "$R/serve-s256.json" || return
   stage decode 250 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches 1,8,32 --out "$R/cuda-decode.json" || return
   stage serve2048 400 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
-    --ways lone,serve,serial,sampled,static --tolerate-mismatch \
+    --ways lone,serve,thread,sampled,static --tolerate-mismatch \
     --json "$R/serve-s2048.json" || return
   echo "== done"
 }

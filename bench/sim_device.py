@@ -18,6 +18,7 @@ about 1 ms plus 2.5 µs a computed position (fits the replays' prefills-alone to
 from __future__ import annotations
 
 import json
+import multiprocessing
 import threading
 import time
 from collections.abc import Sequence
@@ -72,15 +73,21 @@ class Device:
 
     def __init__(self) -> None:
         self.free_at = 0.0
-        self.busy_s = 0.0
+        # in shared memory: serve's engine runs in a process forked from the one that made
+        # this device, and the server's process reports the busy time
+        self._busy = multiprocessing.Value("d", 0.0, lock=False)
         self.late = _late_wakeup()
         self._lock = threading.Lock()
+
+    @property
+    def busy_s(self) -> float:
+        return float(self._busy.value)
 
     def enqueue(self, seconds: float) -> float:
         """Launch ``seconds`` of work now; when it will be done (perf_counter time)."""
         with self._lock:
             self.free_at = max(time.perf_counter(), self.free_at) + seconds
-            self.busy_s += seconds
+            self._busy.value += seconds
             return self.free_at
 
     def wait(self, done_at: float) -> None:

@@ -23,6 +23,18 @@ class PipelineError(Exception):
         line = f"{self.what}: {self.why}"
         return f"{line} ({self.hint})" if self.hint else line
 
+    def __reduce__(self) -> tuple:
+        # Pickled whole (fields and class), whatever a subclass's __init__ takes: the serving
+        # engine's process sends its load error to the server's, which exits by its code.
+        return _rebuild, (type(self), self.__dict__, self.args)
+
+
+def _rebuild(cls: type, fields: dict, args: tuple) -> PipelineError:
+    e = cls.__new__(cls)
+    e.__dict__.update(fields)
+    e.args = args
+    return e
+
 
 class InputError(PipelineError, ValueError):
     """The user's input is wrong; retrying will not help (exit 2)."""

@@ -81,6 +81,15 @@ def serve(
             "tokens, so the device works while the host streams them (cpu/cuda releases).",
         ),
     ] = True,
+    engine_process: Annotated[
+        bool,
+        typer.Option(
+            "--engine-process/--no-engine-process",
+            help="Run the engine (the model, its scheduling) in a process of its own, so the "
+            "HTTP side never holds the interpreter lock the device's host work needs; "
+            "--no-engine-process: a thread of the server's process.",
+        ),
+    ] = True,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -134,6 +143,7 @@ def serve(
             chat_max_tokens=chat_max_tokens,
             coalesce=coalesce,
             overlap=overlap,
+            engine_process=engine_process,
             trust=keys,
         )
     )

@@ -82,7 +82,7 @@ def _sampling(service: Any, req: Any) -> SamplingParams:
 def room(service: Any, prompt: int) -> int:
     """The most tokens an answer to a prompt of this length can have in the largest bucket."""
     seq = service.engine.largest.seq
-    return seq - service.model.tokens_needed(prompt, 1) + 1
+    return seq - service.release.tokens_needed(prompt, 1) + 1
 
 
 def _ready(service: Any) -> None:
@@ -104,7 +104,7 @@ def _served(service: Any, model: str) -> None:
 def _queue(service: Any, prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Job:
     m = service.metrics
     engine = service.engine
-    need = service.model.tokens_needed(len(prompt), max_tokens)
+    need = service.release.tokens_needed(len(prompt), max_tokens)
     largest = engine.largest
     if need > largest.seq:
         m.requests.labels("too_long").inc()

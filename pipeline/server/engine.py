@@ -21,7 +21,8 @@ model thread (``run``) loops, because a runner is not re-entrant. Every iteratio
 So a short request never waits for a long one's steps, the device does not wait for the
 host between steps, and a freed slot is refilled one or two iterations later. Tokens go
 back to the event loop as typed events (``Tokens``, ``Finished``, ``Failed``) in one
-``loop.call_soon_threadsafe`` per iteration for every request.
+``deliver`` per iteration for every request (``loop.call_soon_threadsafe`` in the server's
+process; a message to it from the engine's own, ``pipeline.server.engine_process``).
 
 An exception in a prefill fails that request only (a shared prefill call that raises at
 launch is launched again one prompt at a time; one whose tokens cannot be read fails its
@@ -105,6 +106,7 @@ class Request:
     sampling: SamplingParams = GREEDY  # the slot draws under these; greedy by default
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.monotonic)
+    rid: int = 0  # its number between the server's process and the engine's
     cancelled: bool = False  # set from the loop: the client left, or a stop string matched
     # the engine's own: tokens launched on the device, sent so far, and when the last was
     launched: int = 0
@@ -122,6 +124,7 @@ class Hooks(Protocol):
     def step(self, bucket: Bucket, rows: int) -> None: ...
     def slots(self, bucket: Bucket, busy: int) -> None: ...
     def engine_time(self, wait: float, prefill: float, step: float, other: float) -> None: ...
+    def idle(self) -> None: ...  # about to wait for work
 
 
 class NoHooks:
@@ -157,7 +160,7 @@ class Engine:
         self,
         model: Model,
         buckets: Sequence[Bucket],
-        loop: asyncio.AbstractEventLoop,
+        loop: asyncio.AbstractEventLoop | None,
         *,
         max_queue: int,
         max_prefills: int = 4,
@@ -166,11 +169,21 @@ class Engine:
         batching: str = "iteration",
         overlap: bool = True,
         hooks: Hooks | None = None,
+        deliver: Callable[[list[tuple[Request, Event]]], None] | None = None,
     ) -> None:
         """``buckets``: the resident ones (loaded and warm). ``overlap``: launch each
-        iteration's steps before reading the last one's tokens (where the slots can)."""
+        iteration's steps before reading the last one's tokens (where the slots can).
+        ``deliver``: where each batch of events goes (default: the requests' queues, on
+        ``loop``; the engine's own process sends them to the server's instead)."""
         self.model = model
         self.loop = loop
+        if deliver is None:
+            assert loop is not None, "an engine without deliver needs the event loop"
+
+            def deliver(items: list[tuple[Request, Event]]) -> None:
+                loop.call_soon_threadsafe(_deliver, items)
+
+        self._send = deliver
         self.max_queue = max_queue
         self.max_prefills = max_prefills
         self.spill = spill
@@ -253,6 +266,8 @@ class Engine:
             self._retire_cancelled()
             with self._cond:
                 waited = clock()
+                if not self._queue and not self._running():
+                    self.hooks.idle()
                 while not self._queue and not self._running():
                     if self._closing:
                         return
@@ -265,7 +280,7 @@ class Engine:
                 # First tokens go out before the steps: a prefill's token does not wait
                 # for every running bucket's next step.
                 self._read_prefills(now, out)
-                self.loop.call_soon_threadsafe(_deliver, out)
+                self._send(out)
                 out = self._out = []
             steps = [c for res in self._resident if (c := self._launch_step(res, out))]
             # A deferred call (``overlap``, slots that launch) is read only behind the next
@@ -281,7 +296,7 @@ class Engine:
             self._inflight = [c for c in steps if c.deferred]
             self._out = []
             if out:  # one wake-up of the loop per iteration, for every request
-                self.loop.call_soon_threadsafe(_deliver, out)
+                self._send(out)
             # where the model thread's time went: waiting for work, inside the runner's
             # prefill and step calls, and the engine's own work around them
             pre, step = self._calls["prefill"], self._calls["step"]
@@ -502,8 +517,8 @@ class Engine:
             out += [(req, Failed(message)) for req in self._queue]
             self._queue.clear()
         # a closed event loop raises RuntimeError: then nobody is waiting any more
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(_deliver, out)
+        with contextlib.suppress(RuntimeError, OSError):  # OSError: the server's process
+            self._send(out)
 
     def _retire_cancelled(self) -> None:
         for res in self._resident:

@@ -55,6 +55,8 @@ def serve(options: ServeOptions) -> None:
     host, port = sock.getsockname()[:2]
     log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
     service = Service(options)
+    if options.engine_process:  # forked now: before uvicorn's loop and threads exist
+        service.spawn(close=[sock])
     config = uvicorn.Config(
         create_app(service),
         host=options.host,
@@ -79,8 +81,11 @@ def serve(options: ServeOptions) -> None:
     # uvicorn drains on SIGTERM, then re-raises the signal under the handler that was there
     # before it: this one, so that a clean drain exits 0 rather than dying by the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    with sock:
-        server.run(sockets=[sock])
+    try:
+        with sock:
+            server.run(sockets=[sock])
+    finally:
+        service.kill()  # whatever ended the server, the engine's process ends with it
     if isinstance(service.failure, PipelineError):
         raise service.failure
     if service.failure is not None:

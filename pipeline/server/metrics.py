@@ -138,6 +138,9 @@ class Metrics:
         parts["step"].inc(step)
         parts["other"].inc(max(other, 0.0))
 
+    def idle(self) -> None:
+        pass
+
     # --- the HTTP side ---------------------------------------------------------------------
 
     def finished(self, arrival: float, end: float) -> None:

@@ -1,5 +1,6 @@
-"""The server's state: the release, its tokenizer and the engine, made ready in a thread of
-their own, which then stays the one thread that runs the model.
+"""The server's state: the release, its tokenizer and the engine, made ready off the event
+loop: in a process of its own by default (``pipeline.server.engine_process``), or in a thread
+of this one (``--no-engine-process``), which then stays the one thread that runs the model.
 
 Phases: loading → warming up → ready (→ draining); or failed, with the error ``/ready`` shows.
 """
@@ -10,14 +11,16 @@ import asyncio
 import functools
 import gc
 import logging
+import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.server.engine import Engine, EngineFailed
+from pipeline.plan.buckets import Bucket
+from pipeline.server.engine import Engine, EngineFailed, Hooks
 from pipeline.server.metrics import Metrics
 from pipeline.server.tokenizer import load_tokenizer
 
@@ -45,6 +48,86 @@ class ServeOptions:
     overlap: bool = True
     # the keys whose signature the release must carry (pipeline.store.signing.Trust)
     trust: Any = None
+    # the engine in a process of its own: the HTTP side's Python never holds the GIL the
+    # model thread needs between device calls (off: a thread of the server's process)
+    engine_process: bool = True
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What the HTTP side needs of the loaded release, in whichever process loaded it."""
+
+    name: str
+    version: str
+    device: str
+    dir: Path  # the release's files (its tokenizer)
+    vocab: int
+    buckets: tuple[Bucket, ...]  # the resident ones
+    seeded: bool  # a request's seed is honoured (False where an export samples on Neuron)
+    max_topk: int  # the largest top_k every resident sampler takes (0: any)
+    need_extra: int  # tokens_needed(p, m) - p - m: the runner's rule, linear on every backend
+
+    def tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
+        return prompt_len + max_new_tokens + self.need_extra
+
+    @property
+    def largest(self) -> Bucket:
+        """The resident bucket with the longest sequence (then the largest batch)."""
+        return max(self.buckets, key=lambda b: (b.seq, b.batch))
+
+
+def load_release(
+    options: ServeOptions, loader: Callable[[Path], Any], phase: Callable[[str], None]
+) -> tuple[Any, list[Bucket], Loaded]:
+    """Load the release and warm its resident buckets: the model, those buckets, and what the
+    HTTP side needs to know of them. ``phase`` hears "warming up"."""
+    model = loader(options.path)
+    phase("warming up")
+    model.warmup()
+    # The buckets the runner keeps loaded (all of them on cpu/cuda; on neuron those that fit
+    # the HBM budget, each export holding its own weights) are resident; each runs once here,
+    # so one-time costs (allocation, lazy init) do not fall on the first request.
+    resident = model.warm_buckets()
+    for bucket in resident:
+        warm(model.slots(bucket))
+    slots = [model.slots(b) for b in resident]
+    limits = [getattr(s, "max_topk", 0) for s in slots if getattr(s, "max_topk", 0)]
+    loaded = Loaded(
+        name=model.manifest.model,
+        version=model.manifest.version,
+        device=str(model.device),
+        dir=Path(model.dir),
+        vocab=model.vocab_size(),
+        buckets=tuple(sorted(resident)),
+        seeded=all(getattr(s, "seeded", True) for s in slots),
+        max_topk=min(limits, default=0),
+        need_extra=model.tokens_needed(1, 1) - 2,
+    )
+    return model, resident, loaded
+
+
+def make_engine(
+    model: Any,
+    resident: Sequence[Bucket],
+    options: ServeOptions,
+    loop: asyncio.AbstractEventLoop | None,
+    hooks: Hooks,
+    **more: Any,
+) -> Engine:
+    o = options
+    return Engine(
+        model,
+        resident,
+        loop,
+        max_queue=more.pop("max_queue", o.max_queue),
+        max_prefills=o.max_prefills,
+        spill=o.spill,
+        overflow=o.overflow,
+        batching=o.batching,
+        overlap=o.overlap,
+        hooks=hooks,
+        **more,
+    )
 
 
 class Service:
@@ -55,13 +138,14 @@ class Service:
         self.phase = "loading"
         self.error: str | None = None
         self.failure: Exception | None = None
-        self.model: Any = None
+        self.release: Loaded | None = None
         self.tokenizer: Any = None
         self.name = ""
         self.vocab = 0
-        self.engine: Engine | None = None
-        # what the resident buckets' samplers honour: a request's seed (False where an
-        # export samples on the Neuron device), and the largest top_k (0: any)
+        # the engine (a thread's) or its handle (the engine's process): submit, cancel, close
+        self.engine: Any = None
+        self.process: Any = None  # pipeline.server.engine_process.EngineProcess
+        # what the resident buckets' samplers honour: a request's seed, the largest top_k
         self.seeded = True
         self.max_topk = 0
         self.thread: threading.Thread | None = None
@@ -71,53 +155,82 @@ class Service:
     def ready(self) -> bool:
         return self.phase == "ready"
 
+    def spawn(self, close: Sequence[socket.socket] = ()) -> None:
+        """Start the engine's process now: forked before the event loop and its threads
+        exist; it loads the release while the server starts listening. ``close``: what the
+        engine must not hold (the listening socket)."""
+        from pipeline.server.engine_process import EngineProcess
+
+        self.process = EngineProcess.fork(self.options, self.loader, self, close=close)
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.process is not None:
+            self.engine = self.process.attach(loop, self.metrics)
+            return
         self.thread = threading.Thread(
             target=self._main, args=(loop,), name="inf2-serve-model", daemon=True
         )
         self.thread.start()
 
     def _main(self, loop: asyncio.AbstractEventLoop) -> None:
-        o = self.options
+        """The model thread (``--no-engine-process``): load, then run the engine."""
         try:
-            model = self.loader(o.path)
-            self.tokenizer = load_tokenizer(model.dir)
-            self.name = model.manifest.model
-            self.vocab = model.vocab_size()
-            self.phase = "warming up"
-            model.warmup()
-            # The buckets the runner keeps loaded (all of them on cpu/cuda; on neuron those
-            # that fit the HBM budget, each export holding its own weights) are resident;
-            # each runs once here, so one-time costs (allocation, lazy init) do not fall on
-            # the first request.
-            resident = model.warm_buckets()
-            for bucket in resident:
-                warm(model.slots(bucket))
-            slots = [model.slots(b) for b in resident]
-            self.seeded = all(getattr(s, "seeded", True) for s in slots)
-            limits = [getattr(s, "max_topk", 0) for s in slots if getattr(s, "max_topk", 0)]
-            self.max_topk = min(limits, default=0)
-            self.model = model
-            self.engine = Engine(
-                model,
-                resident,
-                loop,
-                max_queue=o.max_queue,
-                max_prefills=o.max_prefills,
-                spill=o.spill,
-                overflow=o.overflow,
-                batching=o.batching,
-                overlap=o.overlap,
-                hooks=self.metrics,
-            )
+            model, resident, loaded = load_release(self.options, self.loader, self._phase)
+            tokenizer = load_tokenizer(loaded.dir)
+            self.engine = make_engine(model, resident, self.options, loop, self.metrics)
         except Exception as e:
-            self.failure = e
-            self.error = (
-                e.one_line() if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
-            )
-            self.phase = "failed"
-            self.on_failure()
+            self.load_failed(e)
             return
+        self._ready(loaded, tokenizer)
+        try:
+            self.engine.run()
+        except EngineFailed as e:  # every request it held was failed; the server stops
+            self.engine_failed(str(e))
+
+    def _phase(self, phase: str) -> None:
+        self.phase = phase
+
+    # --- what the engine's process tells the server (on the event loop) -------------------
+
+    def engine_phase(self, phase: str) -> None:
+        self.phase = phase
+
+    def engine_ready(self, loaded: Loaded) -> None:
+        """The engine is loaded and warm: the tokenizer next (here, off the loop), then
+        ready."""
+
+        async def tokenizer() -> None:
+            try:
+                tok = await asyncio.to_thread(load_tokenizer, loaded.dir)
+            except Exception as e:
+                self.load_failed(e)
+                return
+            if self.phase != "failed":
+                self._ready(loaded, tok)
+
+        self._tokenizing = asyncio.ensure_future(tokenizer())
+
+    def load_failed(self, e: Exception, error: str | None = None) -> None:
+        self.failure = e
+        self.error = error or (
+            e.one_line() if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
+        )
+        self.phase = "failed"
+        self.on_failure()
+
+    def engine_failed(self, message: str) -> None:
+        """The engine stopped (the device keeps failing, its process died): every request it
+        held was failed; the server stops."""
+        self.failure, self.error = EngineFailed(message), f"EngineFailed: {message}"
+        self.phase = "failed"
+        self.metrics.ready.set(0)
+        log.error("the engine stopped: %s", message)
+        self.on_failure()
+
+    def _ready(self, loaded: Loaded, tokenizer: Any) -> None:
+        self.release, self.tokenizer = loaded, tokenizer
+        self.name, self.vocab = loaded.name, loaded.vocab
+        self.seeded, self.max_topk = loaded.seeded, loaded.max_topk
         # What loading made (the tokenizer, the graphs, torch's modules) lives as long as the
         # server: out of the collector's view, so a full collection while serving walks only
         # what requests made (a pause of ~100 ms otherwise, in the middle of streams).
@@ -125,30 +238,39 @@ class Service:
         gc.freeze()
         self.phase = "ready"
         self.metrics.ready.set(1)
-        names = ", ".join(b.name for b in resident)
-        log.info("ready: %s %s on %s (%s)", self.name, model.manifest.version, model.device, names)
-        if o.trust is None:
+        names = ", ".join(b.name for b in loaded.buckets)
+        where = "its own process" if self.process is not None else "a thread"
+        log.info(
+            "ready: %s %s on %s (%s; engine in %s)",
+            loaded.name,
+            loaded.version,
+            loaded.device,
+            names,
+            where,
+        )
+        if self.options.trust is None:
             log.warning("not verifying the release's signature (no --trust)")
-        try:
-            self.engine.run()
-        except EngineFailed as e:  # every request it held was failed; the server stops
-            self.failure, self.error, self.phase = e, f"EngineFailed: {e}", "failed"
-            self.metrics.ready.set(0)
-            log.error("the engine stopped: %s", e)
-            self.on_failure()
 
     def drain(self) -> None:
         """Shutting down: take no new requests; finish the queued and running ones."""
         self.metrics.ready.set(0)
         if self.engine is not None:
-            self.phase = "draining"
+            if self.phase != "failed":
+                self.phase = "draining"
             self.engine.close()
 
     async def stop(self) -> None:
-        """Finish what is queued and running, then let the model thread end."""
+        """Finish what is queued and running, then let the model thread (or process) end."""
         self.drain()
-        if self.engine is not None and self.thread is not None:
+        if self.process is not None:
+            await self.process.wait()
+        elif self.engine is not None and self.thread is not None:
             await asyncio.to_thread(self.thread.join)
+
+    def kill(self) -> None:
+        """The server is exiting: the engine's process does not outlive it."""
+        if self.process is not None:
+            self.process.kill()
 
 
 def warm(slots: Any) -> None:
