@@ -419,9 +419,15 @@ def test_place_opens_no_smaller_bucket_beside_a_running_one_of_its_length():
     b = [slots(1, 32), slots(2, 32), slots(4, 32, running=4)]
     assert place([10], b, max_prefills=4) == []
     assert where(place([10], b, max_prefills=4, overflow=True)) == [(0, "b1_s32", 0)]
-    # ... but a larger one opens when the running one is full: traffic outgrew b1
+    # ... but a larger one opens when the running one is full: traffic outgrew b1, and it
+    # is the widest (b2 opened on the way would step beside b4 until its rows end)
     b = [slots(1, 32, running=1), slots(2, 32), slots(4, 32)]
-    assert where(place([10], b, max_prefills=4)) == [(0, "b2_s32", 0)]
+    assert where(place([10], b, max_prefills=4)) == [(0, "b4_s32", 0)]
+    b = [slots(1, 32, running=1), slots(2, 32), slots(4, 32, running=4), slots(8, 32)]
+    assert where(place([10], b, max_prefills=4)) == [(0, "b8_s32", 0)]
+    # with overflow the smallest that holds the demand, as from idle
+    b = [slots(1, 32, running=1), slots(2, 32), slots(4, 32)]
+    assert where(place([10], b, max_prefills=4, overflow=True)) == [(0, "b2_s32", 0)]
     # a smaller running bucket beside a larger running one takes no new rows: it drains
     b = [slots(1, 32), slots(2, 32, running=1), slots(4, 32, running=4)]
     assert place([10], b, max_prefills=4) == []

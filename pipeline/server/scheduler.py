@@ -18,6 +18,11 @@ The rules, in order:
 - Among buckets of that length, one already running wins (its step is paid for anyway);
   else the smallest idle one whose batch holds every waiting request of that length, else
   the largest idle one: few buckets step per iteration, each as full as the traffic allows.
+- When the running buckets of a length are full and a wider idle one opens (traffic grew
+  out of them), it is the widest idle one, not the next size up: each bucket opened on the
+  way up keeps its rows to their ends, one more step in every iteration until they drain.
+  In the simulated-device bench (long replay, 32 clients) growing b1 → b8 → b32 stepped b8
+  for ~200 iterations beside b32.
 - An idle bucket of smaller batch than one of its length that is running is not opened
   (unless ``overflow``): each bucket stepping is one more pass over the weights in every
   iteration, so its few extra rows would slow every running row. Measured on the H200
@@ -84,13 +89,16 @@ def place(
         for seq in fitting if spill else fitting[:1]:
             same = [b for b in state.values() if b.bucket.seq == seq]
             open_ = [b for b in same if b.free and _admits(b, batching)]
+            widest = max((b.bucket.batch for b in same if _busy(b)), default=0)
             if not overflow and batching == "iteration":  # none narrower than one running
-                widest = max((b.bucket.batch for b in same if _busy(b)), default=0)
                 open_ = [b for b in open_ if b.bucket.batch >= widest]
             if not open_:
                 continue
             demand = sum(1 for n in needs[i:] if n <= seq)
-            chosen = _choose(open_, demand)
+            if widest and not overflow and not any(_busy(b) for b in open_):
+                chosen = max(open_, key=lambda b: b.bucket.batch)  # outgrown: the widest
+            else:
+                chosen = _choose(open_, demand)
             slot = chosen.free.pop(0)
             chosen.admitted += 1
             out.append(Placement(i, chosen.bucket, slot))
