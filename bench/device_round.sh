@@ -27,11 +27,10 @@ stage() {  # name, least seconds it needs, command...: false when this call is o
   touch "$R/$name.done"
 }
 run() {
-  # ordered so that each call ends near its budget, the serve figures first: compile +
-  # sampler, serve256, serve2048, then decode (about 420, 290, 400 and 250 s on the H200)
+  # the serve figures first, each stage in a call as the budget allows: compile, serve256,
+  # serve2048, decode, sampler (about 460, 290, 400, 250 and 60 s on the H200)
   stage compile 120 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches 1,8,32 --compile-only --out "$R/compile.json" || return
-  stage sampler 60 python3 bench/bench_sampler.py || return
   stage serve256 280 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
     --ways lone,serve,thread,sampled,static --tolerate-mismatch "${PEER[@]}" \
     --json "$R/serve-s256.json" || return
@@ -40,6 +39,7 @@ run() {
     --json "$R/serve-s2048.json" || return
   stage decode 250 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches 1,8,32 --out "$R/cuda-decode.json" || return
+  stage sampler 60 python3 bench/bench_sampler.py || return
   echo "== done"
 }
 run
