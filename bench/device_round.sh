@@ -3,7 +3,8 @@
 # runs the next stages not yet done (markers in work/round/, kept while the machine stays
 # warm) while its time lasts, and copies every figure to $OUT. Prepare first with
 # bench/prepare_device_bench.sh; then call, carrying .devrun and peers, until it says done:
-#   bash bench/device_round.sh            (BUDGET=seconds per call, default 575)
+#   bash bench/device_round.sh            (BUDGET=seconds per call, default 575;
+#   WAYS2048, WAYS256: bench_serve's --ways for the two replays)
 unset CXX  # the device image's wrapper breaks AOTInductor packages
 T0=$(date +%s); BUDGET=${BUDGET:-575}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -27,16 +28,17 @@ stage() {  # name, least seconds it needs, command...: false when this call is o
   touch "$R/$name.done"
 }
 run() {
-  # the serve figures first, each stage in a call as the budget allows: compile, serve256,
-  # serve2048, decode, sampler (about 460, 290, 400, 250 and 60 s on the H200)
+  # the serve figures first, each stage in a call as the budget allows: compile (~460 s),
+  # serve2048, serve256 (its peer last: a cut-short stage keeps what its JSON already has),
+  # decode, sampler
   stage compile 120 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches 1,8,32 --compile-only --out "$R/compile.json" || return
-  stage serve256 280 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
-    --ways lone,serve,thread,sampled,static --tolerate-mismatch "${PEER[@]}" \
-    --json "$R/serve-s256.json" || return
-  stage serve2048 400 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
-    --ways lone,serve,thread,static --tolerate-mismatch \
+  stage serve2048 300 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
+    --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch \
     --json "$R/serve-s2048.json" || return
+  stage serve256 200 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
+    --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${PEER[@]}" \
+    --json "$R/serve-s256.json" || return
   stage decode 250 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches 1,8,32 --out "$R/cuda-decode.json" || return
   stage sampler 60 python3 bench/bench_sampler.py || return
