@@ -1,20 +1,24 @@
-"""A store in S3 (``s3://BUCKET/PREFIX``) or an S3-compatible server, through boto3.
+"""A store in S3 (``s3://BUCKET/PREFIX``) or an S3-compatible server, through botocore.
 
-Credentials come from boto3's standard chain (environment, profile, IRSA web identity on
-EKS); the endpoint from ``AWS_ENDPOINT_URL`` (read by boto3 itself) unless one is passed.
+Credentials come from botocore's standard chain (environment, profile, IRSA web identity on
+EKS); the endpoint from ``AWS_ENDPOINT_URL`` (read by botocore itself) unless one is passed.
 Path-style addressing, which most S3-compatible servers need, is chosen by
 ``?addressing_style=path`` on the URL or by ``s3.addressing_style`` in the AWS config file.
 
-Two functions own the boundary to boto3: ``make_client`` creates every client (timeouts,
-standard retries) and ``translate_error`` turns every boto3 failure into a pipeline error,
-with credentials scrubbed from the message.
+Two functions own the boundary to the AWS SDK: ``make_client`` creates every client
+(timeouts, standard retries) and ``translate_error`` turns every SDK failure into a pipeline
+error, with credentials scrubbed from the message. Clients are botocore's, as boto3 makes
+them; boto3 is imported only for its managed (multipart, concurrent) uploads and downloads,
+so a pull, whose GETs are its own, never loads it or s3transfer.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import os
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import boto3
-from boto3.exceptions import S3UploadFailedError
-from boto3.s3.transfer import TransferConfig
+import botocore.session
 from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
@@ -54,16 +56,39 @@ from pipeline.store.blobs import FileRef
 from pipeline.store.s3_ranges import BotocoreOnly, RangeReader, check_content_range
 
 MiB = 1 << 20
-# Parts of 64 MiB: few enough requests for multi-GB graphs, small enough to run in parallel.
-DEFAULT_TRANSFER = TransferConfig(
-    multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB, max_concurrency=8
-)
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 # Ranged GETs into a buffer take the lean path (pipeline.store.s3_ranges) unless this is
 # "botocore": an escape hatch, and the baseline that bench/bench_pull.py compares against.
 GETS_ENV = "INF2_PIPELINE_S3_GETS"
 # S3 multipart limits (S3 user guide, "Amazon S3 multipart upload limits").
 MIN_PART, MAX_PARTS = 5 * MiB, 10_000
+
+
+@functools.cache
+def default_transfer() -> Any:
+    """boto3's ``TransferConfig`` for managed uploads and downloads: parts of 64 MiB, few
+    enough requests for multi-GB graphs, small enough to run in parallel. boto3 (and its
+    s3transfer) is imported only here and by the managed transfers: clients are botocore's,
+    so pull, whose GETs are its own, starts without them (~0.1 s of a cold start)."""
+    from boto3.s3.transfer import TransferConfig
+
+    return TransferConfig(
+        multipart_threshold=64 * MiB, multipart_chunksize=64 * MiB, max_concurrency=8
+    )
+
+
+# boto3's managed transfers over our botocore clients: the functions boto3 adds to its own
+# clients as methods (boto3/s3/inject.py), called with ours.
+def _upload_file(client: Any, path: str, bucket: str, key: str, config: Any) -> None:
+    from boto3.s3.inject import upload_file
+
+    upload_file(client, path, bucket, key, Config=config)
+
+
+def _download_fileobj(client: Any, bucket: str, key: str, fileobj: Any, config: Any) -> None:
+    from boto3.s3.inject import download_fileobj
+
+    download_fileobj(client, bucket, key, fileobj, Config=config)
 
 
 def _s3_parts_fit(ref: FileRef) -> bool:
@@ -86,8 +111,9 @@ def make_client(
     max_attempts: int = 5,
     max_pool_connections: int = 64,
 ) -> Any:
-    """The one place boto3 clients are made. ``endpoint_url=None`` lets boto3 read
-    ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` and the config file itself."""
+    """The one place clients are made (botocore's, as boto3 would make them).
+    ``endpoint_url=None`` lets botocore read ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3``
+    and the config file itself."""
     config = Config(
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
@@ -102,7 +128,7 @@ def make_client(
     )
     try:
         with _SESSION_LOCK:  # sessions are not thread-safe (clients are)
-            client = _session().client(service, endpoint_url=endpoint_url, config=config)
+            client = _session().create_client(service, endpoint_url=endpoint_url, config=config)
     except InvalidRegionError as e:
         raise _bad_region(str(e.kwargs.get("region_name"))) from None
     except ProfileNotFound as e:
@@ -171,17 +197,23 @@ def _bad_region(region: str) -> InputError:
     )
 
 
-_SESSIONS: dict[tuple, boto3.session.Session] = {}
+_SESSIONS: dict[tuple, botocore.session.Session] = {}
 _SESSION_LOCK = threading.Lock()
 
 
-def _session() -> boto3.session.Session:
+def _session() -> botocore.session.Session:
     # A fresh session reloads the service models (~150 ms a client), so keep one per AWS
     # environment: the same behaviour as a new session whenever AWS_* variables change.
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
     if env not in _SESSIONS:
-        _SESSIONS[env] = boto3.session.Session()
+        _SESSIONS[env] = botocore.session.get_session()
     return _SESSIONS[env]
+
+
+def _upload_failed(e: BaseException) -> bool:
+    # boto3 is imported by managed transfers only; no boto3, no boto3 error
+    exceptions = sys.modules.get("boto3.exceptions")
+    return exceptions is not None and isinstance(e, exceptions.S3UploadFailedError)
 
 
 ClientFactory = Callable[..., Any]
@@ -193,7 +225,7 @@ def translate_error(e: BaseException, what: str, *, condition: str | None = None
     ``condition``: "if_absent" or "if_match" when the request was a conditional write, so
     that 412 Precondition Failed means AlreadyExists or Conflict respectively.
     """
-    if isinstance(e, S3UploadFailedError) and isinstance(e.__context__, ClientError):
+    if _upload_failed(e) and isinstance(e.__context__, ClientError):
         e = e.__context__  # boto3 wraps upload errors in a string; the real one is the context
     if isinstance(e, ClientError):
         err = e.response.get("Error", {})
@@ -291,7 +323,7 @@ class S3Store(Store):
         client_factory: ClientFactory = make_client,
         endpoint_url: str | None = None,
         addressing_style: str | None = None,
-        transfer_config: TransferConfig = DEFAULT_TRANSFER,
+        transfer_config: Any = None,  # boto3's TransferConfig; None: default_transfer()
         lean_gets: bool | None = None,
     ) -> None:
         self.bucket = bucket
@@ -300,7 +332,7 @@ class S3Store(Store):
         self._factory = client_factory
         self._client_kw = {"endpoint_url": endpoint_url, "addressing_style": addressing_style}
         self.client = client or client_factory("s3", **self._client_kw)
-        self.transfer = transfer_config
+        self._transfer = transfer_config
         if lean_gets is None:
             lean_gets = os.environ.get(GETS_ENV, "lean") != "botocore"
         self.lean_gets = lean_gets
@@ -321,11 +353,17 @@ class S3Store(Store):
     def _what(self, key: str) -> str:
         return f"s3://{self.bucket}/{self.prefix}{key}"
 
+    @property
+    def transfer(self) -> Any:
+        return self._transfer or default_transfer()
+
     def _call(self, key: str, fn: Callable[[], Any], condition: str | None = None) -> Any:
         try:
             return fn()
-        except (ClientError, BotoCoreError, S3UploadFailedError) as e:
-            raise translate_error(e, self._what(key), condition=condition) from None
+        except Exception as e:
+            if isinstance(e, ClientError | BotoCoreError) or _upload_failed(e):
+                raise translate_error(e, self._what(key), condition=condition) from None
+            raise
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
@@ -375,8 +413,8 @@ class S3Store(Store):
             # becomes visible only when the upload completes, so readers never see part of it.
             self._call(
                 key,
-                lambda: self.client.upload_file(
-                    str(path), self.bucket, self._key(key), Config=self.transfer
+                lambda: _upload_file(
+                    self.client, str(path), self.bucket, self._key(key), self.transfer
                 ),
             )
         elif len(ref.parts) <= 1:
@@ -431,8 +469,8 @@ class S3Store(Store):
         with atomic_writer(Path(dest)) as f:
             self._call(
                 key,
-                lambda: self.client.download_fileobj(
-                    self.bucket, self._key(key), f, Config=self.transfer
+                lambda: _download_fileobj(
+                    self.client, self.bucket, self._key(key), f, self.transfer
                 ),
             )
 
