@@ -374,7 +374,10 @@ def _engine_main(
                     engine.submit(req)
                 except (QueueFull, Closed, ValueError) as e:
                     jobs.pop(rid, None)
-                    send(("events", [(rid, Failed(f"refused by the engine: {e!r}"))], []))
+                    # not from this thread: while the server's end blocks sending to us, a
+                    # send here would wait for a reader that waits for us
+                    refusal = ("events", [(rid, Failed(f"refused by the engine: {e!r}"))], [])
+                    threading.Thread(target=send, args=(refusal,), daemon=True).start()
             elif kind == "cancel":
                 if (req := jobs.pop(message[1], None)) is not None:
                     engine.cancel(req)
