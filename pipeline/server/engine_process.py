@@ -254,7 +254,7 @@ class Relay:
     """The engine's ``Hooks`` in its own process: each measurement as a record, sent with
     the iteration's events and replayed into the server's ``Metrics``."""
 
-    def __init__(self, flush: Callable[[list[tuple[Any, ...]]], None] = lambda r: None) -> None:
+    def __init__(self, flush: Callable[[list[tuple[Any, ...]]], None]) -> None:
         self.records: list[tuple[Any, ...]] = []
         self.flush = flush  # sends records that no events carried
         self._time = [0.0, 0.0, 0.0, 0.0]  # the model thread's split since the last take

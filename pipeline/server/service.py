@@ -149,6 +149,7 @@ class Service:
         self.seeded = True
         self.max_topk = 0
         self.thread: threading.Thread | None = None
+        self._tokenizing: asyncio.Future | None = None  # the process's: its tokenizer loading
         self.on_failure: Callable[[], None] = lambda: None
 
     @property
@@ -175,7 +176,7 @@ class Service:
     def _main(self, loop: asyncio.AbstractEventLoop) -> None:
         """The model thread (``--no-engine-process``): load, then run the engine."""
         try:
-            model, resident, loaded = load_release(self.options, self.loader, self._phase)
+            model, resident, loaded = load_release(self.options, self.loader, self.engine_phase)
             tokenizer = load_tokenizer(loaded.dir)
             self.engine = make_engine(model, resident, self.options, loop, self.metrics)
         except Exception as e:
@@ -187,10 +188,7 @@ class Service:
         except EngineFailed as e:  # every request it held was failed; the server stops
             self.engine_failed(str(e))
 
-    def _phase(self, phase: str) -> None:
-        self.phase = phase
-
-    # --- what the engine's process tells the server (on the event loop) -------------------
+    # --- what the engine tells the server (its process: on the event loop) ----------------
 
     def engine_phase(self, phase: str) -> None:
         self.phase = phase

@@ -66,10 +66,9 @@ MIN_PART, MAX_PARTS = 5 * MiB, 10_000
 
 @functools.cache
 def default_transfer() -> Any:
-    """boto3's ``TransferConfig`` for managed uploads and downloads: parts of 64 MiB, few
-    enough requests for multi-GB graphs, small enough to run in parallel. boto3 (and its
-    s3transfer) is imported only here and by the managed transfers: clients are botocore's,
-    so pull, whose GETs are its own, starts without them (~0.1 s of a cold start)."""
+    """boto3's ``TransferConfig`` for managed uploads and downloads (made on first use, so
+    boto3 stays unloaded until then): parts of 64 MiB, few enough requests for multi-GB
+    graphs, small enough to run in parallel."""
     from boto3.s3.transfer import TransferConfig
 
     return TransferConfig(
