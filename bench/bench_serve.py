@@ -13,7 +13,10 @@ release could do at best, all in one run per release:
   process while no server runs: the release's decode rate at each bucket batch;
 * ceiling: every request's prefill alone (its prompt in the bucket of the largest batch whose
   length holds prompt + answer) plus its other tokens at the largest batch's step time per
-  row; ``× ceiling`` is a way's throughput ÷ the ceiling's;
+  row, that step timed with every slot held by the replay's own requests (``replay_decode``:
+  rows at the replay's positions, as a step of a full engine would be); ``× ceiling`` is a
+  way's throughput ÷ the ceiling's. The ceiling at the steady decode's short-fill step is
+  printed beside it (the figure of rounds before the fifteenth);
 * peer (``--peer PATH/peer_serve.py``, a copy of ../shared/peers/hf-continuous-batching):
   transformers' continuous batching on the same request lengths, run after the servers stop.
 
@@ -40,6 +43,7 @@ import json
 import os
 import platform
 import random
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -47,14 +51,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(HERE))  # device_timeline
 
 from pipeline._files import atomic_write_text  # noqa: E402
 from pipeline.plan.traces import read_lengths  # noqa: E402
@@ -399,6 +406,67 @@ def steady_decode(
     }
 
 
+def replay_decode(
+    model: Any, bucket: Any, work: Work, answers: list[int] | None = None
+) -> dict[str, Any]:
+    """The decode step of ``bucket`` with every slot in use by the replay's own requests:
+    its slots filled with the replay's prompts in order, each row stepped to its answer's
+    length, then freed and refilled with the next request's prompt (prefills untimed).
+    Only steps with every slot in use are timed, each reading its tokens back (as
+    ``steady_decode``'s do). So a step attends the positions the replay's rows hold, which
+    at the long replay's prompts reads far more cache than ``steady_decode``'s short fill:
+    the ceiling's decode step. ``answers``: each request's answer length (default: its
+    max_tokens)."""
+    slots = model.slots(bucket)
+    b = slots.batch
+    todo = deque(
+        (p, max(1, n))
+        for (p, g), n in zip(work, answers or [g for _, g in work], strict=True)
+        if model.tokens_needed(len(p), g) <= bucket.seq
+    )
+    left: dict[int, int] = {}  # slot -> steps still to go
+
+    def fill(slot: int) -> None:
+        p, n = todo.popleft()
+        slots.prefill(slot, p)  # the first token
+        left[slot] = n - 1
+
+    timed, secs, rows_stepped = 0, 0.0, 0
+    try:
+        for r in range(b):
+            if todo:
+                fill(r)
+        while left:
+            for r in [r for r, n in left.items() if n <= 0]:  # answers done: refill
+                del left[r]
+                slots.free(r)
+                if todo:
+                    fill(r)
+            if len(left) < b:
+                break  # the replay ran out: the rest steps fewer rows than the bucket holds
+            rows = sorted(left)
+            _sync(model.device)
+            t0 = time.perf_counter()
+            slots.step(rows)  # reads the tokens back: a host sync per step
+            secs += time.perf_counter() - t0
+            timed += 1
+            rows_stepped += len(rows)
+            for r in rows:
+                left[r] -= 1
+    finally:
+        for r in left:
+            slots.free(r)
+    if not timed:
+        return {"batch": b, "seq": bucket.seq, "error": "the replay never filled every slot"}
+    return {
+        "batch": b,
+        "seq": bucket.seq,
+        "steps": timed,
+        "step_ms": secs / timed * 1e3,
+        "tokens_per_s": rows_stepped / secs,
+    }
+
+
 def prefill_alone(model: Any, work: Work, reps: int) -> dict[str, Any]:
     """Each request's prompt prefilled alone, in slot 0 of the bucket of the largest batch
     whose length holds prompt + answer (the shortest such length on a tie); the best of
@@ -483,6 +551,20 @@ def measure_release(release: Path, args: argparse.Namespace) -> dict[str, Any]:
             steady[bucket.name] = {"batch": bucket.batch, "seq": bucket.seq, "error": repr(e)}
         log(f"steady decode {bucket.name}: {steady[bucket.name]}")
     out["steady_decode"] = steady
+    # the ceiling's decode step: the largest batch's bucket that holds the replay, its
+    # slots kept full by the replay's own requests (answers alone: their real lengths)
+    largest = max(model.buckets, key=lambda b: (b.batch, b.seq))
+    try:
+        t = time.perf_counter()
+        lengths = [len(a) for a in alone] if alone is not None else None
+        out["replay_decode"] = replay_decode(model, largest, work, lengths)
+        log(
+            f"replay decode {largest.name}: {out['replay_decode']} "
+            f"(measured in {time.perf_counter() - t:.1f} s)"
+        )
+    except Exception as e:
+        out["replay_decode"] = {"batch": largest.batch, "seq": largest.seq, "error": repr(e)}
+        log(f"replay decode failed: {e!r}")
     try:
         t = time.perf_counter()
         out["prefill_alone"] = prefill_alone(model, work, args.prefill_reps)
@@ -512,7 +594,11 @@ def free_device(device: str) -> dict[str, Any]:
 
 
 def ceiling(measured: dict[str, Any], out_tokens: int, requests: int) -> dict[str, Any]:
-    """Every prefill alone + the other tokens at the largest batch's step time per row."""
+    """Every prefill alone + the other tokens at the largest batch's step time per row, that
+    step timed with the replay's own requests in every slot (``replay_decode``); the same
+    with ``steady_decode``'s short-fill step beside it (``short_fill``: the ceiling of
+    rounds before the fifteenth, whose steps attend ~100 positions, fewer than any step of
+    a replay of long prompts)."""
     steady = measured["steady_decode"]
     prefill = measured["prefill_alone"]
     largest = [
@@ -522,18 +608,29 @@ def ceiling(measured: dict[str, Any], out_tokens: int, requests: int) -> dict[st
     ]
     if not largest or "seconds" not in prefill:
         return {"error": "no steady decode figure of the largest batch, or no prefill figures"}
+
+    def at(step: dict[str, Any]) -> dict[str, Any]:
+        decode_s = (out_tokens - requests) * step["step_ms"] / 1e3 / step["batch"]
+        seconds = prefill["seconds"] + decode_s
+        return {
+            "step_ms": step["step_ms"],
+            "prefill_seconds": prefill["seconds"],
+            "decode_seconds": decode_s,
+            "seconds": seconds,
+            "output_tokens_per_s": out_tokens / seconds,
+            "requests_per_s": requests / seconds,
+        }
+
     name, step = min(largest, key=lambda kv: kv[1]["step_ms"])
-    per_token = step["step_ms"] / 1e3 / step["batch"]
-    decode_s = (out_tokens - requests) * per_token
-    seconds = prefill["seconds"] + decode_s
+    short = {"decode_bucket": name, **at(step)}
+    replay = measured.get("replay_decode") or {}
+    if "step_ms" not in replay:
+        return {**short, "decode_at": "short fill", "replay_decode_error": replay.get("error")}
     return {
-        "decode_bucket": name,
-        "step_ms": step["step_ms"],
-        "prefill_seconds": prefill["seconds"],
-        "decode_seconds": decode_s,
-        "seconds": seconds,
-        "output_tokens_per_s": out_tokens / seconds,
-        "requests_per_s": requests / seconds,
+        "decode_bucket": f"b{replay['batch']}_s{replay['seq']}",
+        "decode_at": "the replay's own rows",
+        **at(replay),
+        "short_fill": short,
     }
 
 
@@ -553,7 +650,7 @@ def serve_ways(
 ) -> list[str]:
     """Start the server ``batching`` names in SERVERS, run each (way, concurrency)
     ``--rounds`` times (``keep`` gets every measurement), stop it; returns its errors."""
-    extra = list(SERVERS[batching])
+    extra = list(SERVERS[batching]) if batching in SERVERS else list(args.variants[batching])
     most = max(c for _, c in ways)
     if most > 256:  # the server's default --max-queue
         extra += ["--max-queue", str(most)]
@@ -561,7 +658,17 @@ def serve_ways(
     errors: list[str] = []
     logfile = tmp / f"serve-{batching}.log"
     log(f"starting serve {' '.join(extra)}")
-    server = ServerProcess(release, logfile, *extra)
+    timeline = None
+    env, entry = None, None
+    if args.device_timeline:  # every slot call timed on the device: bench/device_timeline.py
+        timeline = args.device_timeline / f"{batching}-{time.strftime('%H%M%S')}"
+        timeline.mkdir(parents=True)
+        env = {"INF2_DEVICE_TIMELINE": str(timeline)}
+        main = "import device_timeline as t; t.install(); from pipeline.cli import main; main()"
+        entry = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); " + main]
+        entry.append("serve")
+    server = ServerProcess(release, logfile, *extra, env=env, entry=entry)
+    measured: list[tuple[str, int, int, dict[str, Any], float, float]] = []
     ready = False
     try:
         t = time.perf_counter()
@@ -578,20 +685,32 @@ def serve_ways(
             for way, conc in ways:
                 before = scrape(url)
                 sampling = SAMPLED if way == "sampled" else None
+                t0 = time.monotonic()
                 wall, answers, errs = replay(url, name, work, conc, args.request_timeout, sampling)
+                t1 = time.monotonic()
                 after = scrape(url)
                 # sampled answers are draws, not the greedy answer alone: not compared
                 truth = None if sampling else alone
                 figures = way_figures(
                     work, truth, wall, answers, errs, server_figures(before, after, buckets), conc
                 )
-                keep(way, batching, conc, r, figures)
+                if timeline is None:
+                    keep(way, batching, conc, r, figures)
+                else:  # the device's account comes when the engine stops
+                    measured.append((way, conc, r, figures, t0, t1))
     except Exception as e:
         errors.append(f"serve --batching {batching}: {type(e).__name__}: {e}")
     finally:
         rc = server.stop()
         if rc != 0:
             errors.append(f"serve --batching {batching} exited {rc}")
+        if timeline is not None:
+            import device_timeline
+
+            calls = device_timeline.load(timeline)
+            for way, conc, r, figures, t0, t1 in measured:
+                figures["device"] = device_timeline.summarize(calls, t0, t1)
+                keep(way, batching, conc, r, figures)
         if errors and ready:
             errors.append("server log tail:\n" + server.output()[-2000:])
         if args.json:  # beside the figures: the server's own account
@@ -701,10 +820,22 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"ceiling: {ceil:,.1f} tok/s: {w['output_tokens']} tokens in {c['seconds']:.3f} s "
             f"(prefills alone {c['prefill_seconds']:.3f} s + decode {c['decode_seconds']:.3f} s "
-            f"at {c['step_ms']:.3f} ms per {c['decode_bucket']} step)"
+            f"at {c['step_ms']:.3f} ms per {c['decode_bucket']} step, {c['decode_at']})"
         )
+        if "short_fill" in c:
+            sf = c["short_fill"]
+            print(
+                f"  at the short fill's step ({sf['step_ms']:.3f} ms, the rounds before the "
+                f"fifteenth): {sf['output_tokens_per_s']:,.1f} tok/s"
+            )
     else:
         print(f"ceiling: {c.get('error')}")
+    for c, floor in (result.get("burst_prefills_alone_s") or {}).items():
+        if floor and int(c) > 1:
+            print(
+                f"opening burst at {c} clients: its {c} prefills alone take {floor * 1e3:.1f} "
+                "ms, the floor of the last first token's TTFT (shared prefill calls aside)"
+            )
     ways = result["ways"]
     static = {r["concurrency"]: r["output_tokens_per_s"] for r in ways if r["batching"] == "static"}
     lone = next((r["ttft_p50_s"] for r in ways if r["way"] == "lone"), None)
@@ -723,7 +854,7 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             _row(
                 [
-                    labels[r["way"]],
+                    labels.get(r["way"], r["way"]),
                     str(r["concurrency"]),
                     f"{r['requests_per_s']:.1f}",
                     f"{tps:.1f}",
@@ -749,7 +880,27 @@ def print_table(result: dict[str, Any]) -> None:
     for r in ways:
         e = r.get("engine_seconds") or {}
         parts = " / ".join(f"{e.get(k, 0.0):.3f}" for k in ("wait", "prefill", "step", "other"))
-        print(f"  {labels[r['way']]:<24} {r['concurrency']:>4}  {parts}  (wall {r['seconds']:.3f})")
+        name = labels.get(r["way"], r["way"])
+        print(f"  {name:<24} {r['concurrency']:>4}  {parts}  (wall {r['seconds']:.3f})")
+    timed = [r for r in ways if (r.get("device") or {}).get("calls")]
+    if timed:
+        print(
+            "\nthe device in each way (CUDA events around every slot call): busy / wall, "
+            "mean call ms, gaps between calls, of them the host launching the next call"
+        )
+    for r in timed:
+        d = r["device"]
+        means = ", ".join(f"{k} {v:.3f}" for k, v in sorted(d["mean_ms_by_kind"].items()))
+        name = labels.get(r["way"], r["way"])
+        print(
+            f"  {name:<24} {r['concurrency']:>4}  busy {d['device_busy_s']:.3f} / "
+            f"{d['wall_s']:.3f} s ({d['device_busy_fraction']:.0%}); {means} ms; {d['gaps']} gaps "
+            f"{d['gap_s']:.3f} s (p50 {d['gap_p50_ms']:.3f}, p99 {d['gap_p99_ms']:.3f} ms), "
+            f"launching {d['gap_s_host_launching_next']:.3f} s; host in reads "
+            f"{d['host_in_reads_s']:.3f} s, launching "
+            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(d["host_launch_s_by_kind"].items()))
+            + " s"
+        )
     for p in result.get("peer", []):
         conc = str(p["concurrency"])
         runs = p.get("result", {}).get("runs", [])
@@ -818,6 +969,20 @@ def main() -> None:
         help="prompt tokens per slot before the steady decode steps (at most a quarter of "
         "the bucket): the filled length that its step attends",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="one more server: the default one with these serve flags (e.g. "
+        "'prefills8=--max-prefills 8'), at every --concurrency, after the ways (repeatable)",
+    )
+    ap.add_argument(
+        "--device-timeline",
+        type=Path,
+        help="a folder: every server's slot calls timed with CUDA events "
+        "(bench/device_timeline.py), each way's device busy time and gaps in its figures",
+    )
     ap.add_argument("--prefill-reps", type=int, default=2, help="timings per prompt; best kept")
     ap.add_argument(
         "--warmup-requests",
@@ -848,6 +1013,13 @@ def main() -> None:
     bad = [w for w in chosen if w not in WAYS]
     if not concs or min(concs) < 1 or bad:
         sys.exit(f"error: --concurrency {args.concurrency} --ways {args.ways}: bad value {bad}")
+    args.variants = {}
+    for v in args.variant:
+        label, _, flags = v.partition("=")
+        if not label or label in WAYS or label in SERVERS or label in args.variants or not flags:
+            sys.exit(f"error: --variant {v!r}: want a new LABEL=FLAGS, e.g. 'p8=--max-prefills 8'")
+        args.variants[label] = ["--batching", "iteration", *shlex.split(flags)]
+    variants = list(args.variants)
     if args.peer is not None and not args.peer.is_file():
         sys.exit(f"error: --peer {args.peer}: no such file")
     if not args.trace.is_file():
@@ -907,6 +1079,12 @@ def main() -> None:
             k: v for k, v in measured["prefill_alone"].items() if k != "per_request_s"
         },
         "ceiling": ceiling(measured, out_tokens, len(work)),
+        # the opening burst's floor: every client's first request arrives at once, so the
+        # last of them to get its first token waits for all their prefills
+        "burst_prefills_alone_s": {
+            str(c): sum(measured["prefill_alone"].get("per_request_s", [])[:c]) for c in concs
+        },
+        "replay_decode": measured.get("replay_decode"),
         "ways": [],
         "errors": [],
     }
@@ -942,7 +1120,8 @@ def main() -> None:
         save()
 
     def order(key: tuple[str, int]) -> tuple[int, int]:
-        return (WAYS.index(key[0]), key[1])
+        rank = WAYS.index(key[0]) if key[0] in WAYS else len(WAYS) + variants.index(key[0])
+        return (rank, key[1])
 
     plan: list[tuple[str, list[tuple[str, int]]]] = []
     iteration = ([("lone", 1)] if "lone" in chosen else []) + (
@@ -957,6 +1136,8 @@ def main() -> None:
         plan.append(("serial", [("serial", c) for c in concs]))
     if "static" in chosen:
         plan.append(("static", [("static", c) for c in concs]))
+    for label in variants:  # the default server with more flags, at the serve way's clients
+        plan.append((label, [(label, c) for c in concs]))
     with tempfile.TemporaryDirectory() as tmp:
         for batching, ways in plan:
             result["errors"] += serve_ways(

@@ -4,7 +4,8 @@
 # warm) while its time lasts, and copies every figure to $OUT. Prepare first with
 # bench/prepare_device_bench.sh; then call, carrying .devrun and peers, until it says done:
 #   bash bench/device_round.sh            (BUDGET=seconds per call, default 575;
-#   WAYS2048, WAYS256: bench_serve's --ways for the two replays)
+#   WAYS2048, WAYS256: bench_serve's --ways for the two replays; ARGS2048, ARGS256: more
+#   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'")
 unset CXX  # the device image's wrapper breaks AOTInductor packages
 T0=$(date +%s); BUDGET=${BUDGET:-575}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -14,6 +15,7 @@ R=work/round; mkdir -p "$R"
 D=work/bench-cuda/models/bench-llama-3.2-1b-decode
 L=work/bench-cuda/models/bench-llama-3.2-1b-prefill
 PEER=(--peer peers/hf-continuous-batching/peer_serve.py --trace peers/AzureLLMInferenceTrace_conv.csv)
+eval "more2048=(${ARGS2048:-})"; eval "more256=(${ARGS256:-})"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 stage() {  # name, least seconds it needs, command...: false when this call is out of time
   local name=$1 min=$2; shift 2
@@ -34,10 +36,10 @@ run() {
   stage compile 120 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches 1,8,32 --compile-only --out "$R/compile.json" || return
   stage serve2048 300 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
-    --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch \
+    --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch "${more2048[@]}" \
     --json "$R/serve-s2048.json" || return
   stage serve256 200 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
-    --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${PEER[@]}" \
+    --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${more256[@]}" "${PEER[@]}" \
     --json "$R/serve-s256.json" || return
   stage decode 250 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches 1,8,32 --out "$R/cuda-decode.json" || return
