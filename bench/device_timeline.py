@@ -38,9 +38,18 @@ def install() -> None:
     from pipeline.runtime.decode_session import DecodeSession
     from pipeline.server.engine import Engine
 
-    cuda = torch.cuda.is_available()
-    event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else _HostEvent
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # Asked at the first call, never here: this runs in the server's process before it forks
+    # the engine's, and a CUDA runtime started before a fork cannot be used after it.
+    def cuda() -> bool:
+        return torch.cuda.is_available()
+
+    def event() -> Any:
+        return torch.cuda.Event(enable_timing=True) if cuda() else _HostEvent()
+
+    def sync() -> None:
+        if cuda():
+            torch.cuda.synchronize()
+
     calls: list[list[Any]] = []  # kind, rows, launch t0, t1, start event, end event
     reads: list[tuple[float, float]] = []  # host spans inside a read of tokens
     ref: list[Any] = []  # (event, host time) taken on an idle device

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import os
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.config_factory import release_yaml
 
 CC_VERSION = "2.21.33363.0+82129205"
 VERSIONS = {
@@ -141,23 +142,6 @@ def write_dist_info(site: Path, versions: dict[str, str]) -> None:
 # --- A neuron release made with these stand-ins, and the stand-in runtime -----------------
 
 STANDIN = Path(__file__).resolve().parent / "neuron_standin"
-CONFIG = """
-model:
-  name: tiny-neuron
-  checkpoint: {ckpt}
-  dtype: float32
-target:
-  backend: neuron
-  instance_type: inf2.xlarge
-  tp_degree: 2
-buckets:
-  batch_sizes: [1, 2]
-  sequence_lengths: [16, 32, 64]
-compiler:
-  flags: ["-O1"]
-  timeout_s: 120
-store: store
-"""
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +156,16 @@ def neuron_release(tiny_checkpoint, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("neuron-release")
     config = root / "release.yaml"
-    config.write_text(textwrap.dedent(CONFIG).replace("{ckpt}", str(tiny_checkpoint)))
+    config.write_text(
+        release_yaml(
+            name="tiny-neuron",
+            checkpoint=tiny_checkpoint,
+            backend="neuron",
+            sequence_lengths=[16, 32, 64],
+            flags=["-O1"],
+            timeout_s=120,
+        )
+    )
     with pytest.MonkeyPatch.context() as mp:
         install_fake_sdk(root, mp)
         backends._instances.clear()

@@ -12,6 +12,7 @@ from pipeline.plan.config import Release
 from pipeline.store.base import Store
 from pipeline.store.blobs import put_blob
 from pipeline.store.cache import CacheEntry, write_cache_entry
+from tests.config_factory import release_yaml
 
 TINY_CONFIG_JSON = {
     "model_type": "llama",
@@ -53,12 +54,16 @@ def write_release_config(
     ckpt = write_checkpoint(tmp / "ckpt")
     path = tmp / name
     path.write_text(
-        f"model:\n  name: {model}\n  checkpoint: {ckpt}\n  dtype: float32\n"
-        f"target:\n  backend: {backend}\n  instance_type: inf2.xlarge\n  tp_degree: 2\n"
-        f"buckets:\n  batch_sizes: {list(batch_sizes)}\n"
-        f"  sequence_lengths: {list(sequence_lengths)}\n"
-        f"compiler:\n  flags: {json.dumps(flags)}\n  auto_cast_type: fp32\n"
-        f"store: {store}\n"
+        release_yaml(
+            name=model,
+            checkpoint=ckpt,
+            backend=backend,
+            batch_sizes=batch_sizes,
+            sequence_lengths=sequence_lengths,
+            flags=flags,
+            auto_cast_type="fp32",
+            store=store,
+        )
     )
     return path
 

@@ -13,26 +13,15 @@ from pipeline.compile import keys
 from pipeline.compile.keys import bucket_cache_key, weights_digest
 from pipeline.plan.buckets import Bucket
 from pipeline.plan.config import load_config
+from tests.config_factory import release_yaml
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = """
-model:
-  name: tiny
-  checkpoint: {ckpt}
-  dtype: float32
-target:
-  backend: cpu
-  instance_type: inf2.24xlarge
-  tp_degree: 2
-buckets:
-  batch_sizes: [1, 2]
-  sequence_lengths: [32]
-compiler:
-  flags: ["--model-type=transformer"]
-  auto_cast_type: fp32
-  timeout_s: 900
-store: store
-"""
+CONFIG = release_yaml(
+    instance_type="inf2.24xlarge",
+    flags=["--model-type=transformer"],
+    auto_cast_type="fp32",
+    timeout_s=900,
+)
 B = Bucket(1, 32)
 VERSIONS = {"torch": "2.13.0+cpu", "transformers": "5.0"}
 

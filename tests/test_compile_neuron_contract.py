@@ -23,28 +23,24 @@ from pipeline.compile.runner import compile_release
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.cache import read_cache_entry
+from tests.config_factory import release_yaml
 from tests.neuron_fakes import CC_VERSION, VERSIONS, install_fake_sdk
 
 pytestmark = pytest.mark.contract
 
-CONFIG = """
-model:
-  name: tiny
-  checkpoint: {ckpt}
-  dtype: DTYPE
-target:
-  backend: neuron
-  instance_type: inf2.24xlarge
-  tp_degree: 4
-buckets:
-  batch_sizes: [2]
-  sequence_lengths: [64]
-compiler:
-  flags: ["--model-type=transformer", "-O1", "inductor.max_autotune=true"]
-  auto_cast_type: bf16
-  timeout_s: 60
-store: store
-"""
+
+def config_yaml(dtype: str) -> str:
+    return release_yaml(
+        dtype=dtype,
+        backend="neuron",
+        instance_type="inf2.24xlarge",
+        tp_degree=4,
+        batch_sizes=[2],
+        sequence_lengths=[64],
+        flags=["--model-type=transformer", "-O1", "inductor.max_autotune=true"],
+        auto_cast_type="bf16",
+        timeout_s=60,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -64,12 +60,12 @@ def sdk(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def config(write_config) -> Path:
     # float32 like the tiny checkpoint: nothing to cast, so prepare needs no torch (fast)
-    return write_config(CONFIG.replace("DTYPE", "float32"))
+    return write_config(config_yaml("float32"))
 
 
 @pytest.fixture
 def config_bf16(write_config) -> Path:
-    return write_config(CONFIG.replace("DTYPE", "bfloat16"))
+    return write_config(config_yaml("bfloat16"))
 
 
 def compile_(config: Path, **kw):

@@ -21,24 +21,12 @@ from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.cache import read_cache_entry
 from tests import compile_fakes
+from tests.config_factory import release_yaml
 from tests.proc_helpers import alive as _alive
 from tests.proc_helpers import live_with as _live_with
 
 REPO = Path(__file__).resolve().parent.parent
-GRID = "batch_sizes: [1, 2]\n  sequence_lengths: [32, 64]"
-CONFIG = """
-model:
-  name: tiny
-  checkpoint: {ckpt}
-  dtype: float32
-target:
-  backend: cpu
-buckets:
-  {grid}
-compiler:
-  timeout_s: 60
-store: store
-"""
+CONFIG = release_yaml(instance_type=None, tp_degree=None, sequence_lengths=[32, 64], timeout_s=60)
 # Runs the CLI with the fake backend registered, as a separate process. SIGINT is set to
 # raise KeyboardInterrupt again: a test run started in the background by a shell (`make
 # test &`, some CI runners) inherits SIGINT ignored, and then Ctrl-C tests could only time out.
@@ -59,7 +47,7 @@ def fake_backend(tmp_path, monkeypatch):
 
 @pytest.fixture
 def config(write_config):
-    return write_config(CONFIG.replace("{grid}", GRID))
+    return write_config(CONFIG)
 
 
 def run(config: Path, **kw):
@@ -96,7 +84,7 @@ def test_rerun_of_an_unchanged_config_compiles_nothing(config):
 
 
 def test_changing_one_bucket_recompiles_exactly_that_bucket(write_config):
-    cfg = write_config(CONFIG.replace("{grid}", "batch_sizes: [1]\n  sequence_lengths: [32, 64]"))
+    cfg = write_config(CONFIG.replace("batch_sizes: [1, 2]", "batch_sizes: [1]"))
     run(cfg)
     cfg.write_text(cfg.read_text().replace("[32, 64]", "[32, 96]"))
     assert statuses(run(cfg)) == {"b1_s96": "compiled", "b1_s32": "cached"}

@@ -27,30 +27,25 @@ from pipeline.store import open_store
 from pipeline.store.releases import read_release
 from pipeline.tiny_model import write_tiny_model
 from tests import compile_fakes
+from tests.config_factory import release_yaml
 
 VERSIONS = {"torch": "2.13.0", "transformers": "5.0"}
-CONFIG = """
-model:
-  name: tiny
-  checkpoint: {ckpt}
-  dtype: float32
-target:
-  backend: cpu
-  instance_type: inf2.24xlarge
-  tp_degree: 4
-buckets:
-  batch_sizes: [1, 2]
-  sequence_lengths: [32]
-compiler:
-  auto_cast_type: fp32
-  timeout_s: 60
-store: {store}
-"""
+
+
+def _yaml(ckpt: Path, store: str = "store") -> str:
+    return release_yaml(
+        checkpoint=ckpt,
+        instance_type="inf2.24xlarge",
+        tp_degree=4,
+        auto_cast_type="fp32",
+        timeout_s=60,
+        store=store,
+    )
 
 
 def _config(tmp_path: Path, ckpt: Path, name: str = "release.yaml", store: str = "store") -> Path:
     path = tmp_path / name
-    path.write_text(CONFIG.replace("{ckpt}", str(ckpt)).replace("{store}", store))
+    path.write_text(_yaml(ckpt, store))
     return path
 
 
@@ -120,7 +115,7 @@ def test_fields_that_never_reach_the_graphs_change_neither_key(tmp_path, ckpt_a,
 def test_weights_key_follows_how_they_are_prepared(tmp_path, ckpt_a):
     base = load_config(_config(tmp_path, ckpt_a))
     key = keys.weights_key(base, "cpu", versions=VERSIONS)
-    text = CONFIG.replace("{ckpt}", str(ckpt_a)).replace("{store}", "store")
+    text = _yaml(ckpt_a)
     for old, new in [("dtype: float32", "dtype: bfloat16"), ("tp_degree: 4", "tp_degree: 1")]:
         (tmp_path / "other.yaml").write_text(text.replace(old, new))
         other = load_config(tmp_path / "other.yaml")

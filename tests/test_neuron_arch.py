@@ -14,22 +14,9 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.compile.backends.neuron import write_export_checkpoint
 from pipeline.plan.checkpoint import neuron_export_config
+from tests.config_factory import release_yaml
 
 REPO = Path(__file__).resolve().parent.parent
-CONFIG = """
-model:
-  name: tiny
-  checkpoint: {ckpt}
-  dtype: float32
-target:
-  backend: BACKEND
-  instance_type: inf2.xlarge
-  tp_degree: 2
-buckets:
-  batch_sizes: [1]
-  sequence_lengths: [64]
-store: store
-"""
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +32,11 @@ def tiny_mistral(tmp_path_factory) -> Path:
 def edit(ckpt: Path, **changes) -> None:
     cfg = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**cfg, **changes}))
+
+
+def mistral_config(write_config, ckpt: Path, backend: str) -> Path:
+    text = release_yaml(checkpoint=ckpt, backend=backend, batch_sizes=[1], sequence_lengths=[64])
+    return write_config(text)
 
 
 def variant(src: Path, dest: Path, **changes) -> Path:
@@ -101,7 +93,7 @@ def test_validate_and_plan_refuse_what_neuron_cannot_export_in_one_line(
     tiny_mistral, tmp_path, write_config, changes, why
 ):
     ckpt = variant(tiny_mistral, tmp_path / "ckpt", **changes)
-    config = write_config(CONFIG.replace("{ckpt}", str(ckpt)).replace("BACKEND", "neuron"))
+    config = mistral_config(write_config, ckpt, "neuron")
     for command in ("validate", "plan"):
         r = CliRunner().invoke(app, [command, str(config)])
         assert r.exit_code == 2, r.output
@@ -113,7 +105,7 @@ def test_validate_and_plan_refuse_what_neuron_cannot_export_in_one_line(
 
 def test_other_backends_are_not_refused(tiny_mistral, tmp_path, write_config):
     ckpt = variant(tiny_mistral, tmp_path / "ckpt", sliding_window=4096)
-    config = write_config(CONFIG.replace("{ckpt}", str(ckpt)).replace("BACKEND", "cpu"))
+    config = mistral_config(write_config, ckpt, "cpu")
     assert CliRunner().invoke(app, ["validate", str(config)]).exit_code == 0
 
 
@@ -126,7 +118,7 @@ def test_compile_backend_neuron_refuses_in_one_line(
     install_fake_sdk(tmp_path, monkeypatch)
     backends._instances.clear()
     ckpt = variant(tiny_mistral, tmp_path / "ckpt", sliding_window=4096)
-    config = write_config(CONFIG.replace("{ckpt}", str(ckpt)).replace("BACKEND", "cpu"))
+    config = mistral_config(write_config, ckpt, "cpu")
     r = CliRunner().invoke(app, ["compile", str(config), "--backend", "neuron"])
     backends._instances.clear()
     assert r.exit_code == 2, r.output

@@ -15,19 +15,27 @@ from pipeline.compile.shards import split
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.layout import release_key
+from tests.config_factory import release_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = (
     "import sys; from tests import compile_fakes; compile_fakes.install(); "
     "from pipeline.cli import main; sys.argv[0] = 'inf2-pipeline'; main()"
 )
-CONFIG = """
-model: {{name: fanout, checkpoint: {ckpt}, dtype: float32}}
-target: {{backend: cpu}}
-buckets: {{batch_sizes: [1, 2], sequence_lengths: [32, 64, 128, 256]}}
-compiler: {{timeout_s: 60}}
-store: {store}
-"""
+
+
+def config_yaml(ckpt: Path, store: str) -> str:
+    return release_yaml(
+        name="fanout",
+        checkpoint=ckpt,
+        instance_type=None,
+        tp_degree=None,
+        sequence_lengths=[32, 64, 128, 256],
+        timeout_s=60,
+        store=store,
+    )
+
+
 pytestmark = pytest.mark.s3
 
 
@@ -78,9 +86,9 @@ def bucket_digests(store_url: str, model: str, version: str) -> dict[str, list[t
 def test_four_shard_processes_publish_the_same_release_as_one(tmp_path, tiny_checkpoint, s3_bucket):
     fanned, single = f"s3://{s3_bucket}/fanned", f"s3://{s3_bucket}/single"
     cfg_fan = tmp_path / "fan.yaml"
-    cfg_fan.write_text(CONFIG.format(ckpt=tiny_checkpoint, store=fanned))
+    cfg_fan.write_text(config_yaml(tiny_checkpoint, fanned))
     cfg_one = tmp_path / "one.yaml"
-    cfg_one.write_text(CONFIG.format(ckpt=tiny_checkpoint, store=single))
+    cfg_one.write_text(config_yaml(tiny_checkpoint, single))
 
     compile_shards(cfg_fan, tmp_path, [0, 1, 2, 3])
     code, out, err = finish(
@@ -124,7 +132,7 @@ def test_four_shard_processes_publish_the_same_release_as_one(tmp_path, tiny_che
 def test_publish_names_the_missing_buckets_and_their_shard(tmp_path, tiny_checkpoint, s3_bucket):
     url = f"s3://{s3_bucket}/skipped"
     cfg = tmp_path / "fan.yaml"
-    cfg.write_text(CONFIG.format(ckpt=tiny_checkpoint, store=url))
+    cfg.write_text(config_yaml(tiny_checkpoint, url))
     compile_shards(cfg, tmp_path, [0, 1, 3])  # shard 2 never ran
     code, _, err = finish(
         cli("publish", str(cfg), "--backend", "fake", "--shard-count", "4", cwd=tmp_path)

@@ -37,16 +37,17 @@ def _root(
     """Ahead-of-time compilation and artifact pipeline for AWS Inferentia2."""
 
 
-model.register(app)
-config.register(app)
-pull.register(app)
-run.register(app)
-serve.register(app)
-parity.register(app)
-store_cli.register(app)
-compile_cli.register(app)
-app.add_typer(gqa.app, name="gqa")
-app.add_typer(buckets.app, name="buckets")
+# --help groups the commands by stage, in the order a release flows through them.
+config.register(app, "Plan")
+app.add_typer(buckets.app, name="buckets", rich_help_panel="Plan")
+app.add_typer(gqa.app, name="gqa", rich_help_panel="Plan")
+compile_cli.register(app, "Compile")
+store_cli.register(app, "Release and store")
+pull.register(app, "Install and serve")
+serve.register(app, "Install and serve")
+run.register(app, "Check a release")
+parity.register(app, "Check a release")
+model.register(app, "Demo and test")
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 try:  # Typer ≥ 0.20 vendors click; its exceptions live here, not in `click`.
     from typer._click import exceptions as cx
@@ -46,7 +46,22 @@ SignOpt = Annotated[
 ]
 
 
-class OneLineErrors(TyperGroup):
+class _UntypedFlags:
+    """Help without the ``<bool>`` Typer 0.29 prints beside every flag, as if it took a
+    value: a flag's names (``--x``, or ``--x/--no-x``) already say how it is used."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+                param.metavar = ""  # rich help prints a set metavar instead of the type
+        super().format_help(ctx, formatter)  # type: ignore[misc]
+
+
+class Command(_UntypedFlags, TyperCommand):
+    """Every command's class (``new_app``'s default)."""
+
+
+class OneLineErrors(_UntypedFlags, TyperGroup):
     """Turns PipelineError and usage errors into ``error: <what>: <why> (<hint>)``.
 
     Exit codes: 2 bad input, 1 outside-world failure, 130 interrupted (SIGINT), 143
@@ -131,8 +146,17 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+class _App(typer.Typer):
+    """A Typer whose commands are ``Command`` unless told otherwise."""
+
+    def command(
+        self, name: str | None = None, *, cls: type[TyperCommand] | None = None, **kw: Any
+    ) -> Any:
+        return super().command(name, cls=cls or Command, **kw)
+
+
 def new_app(help: str) -> typer.Typer:
-    return typer.Typer(
+    return _App(
         help=help,
         cls=OneLineErrors,
         no_args_is_help=True,

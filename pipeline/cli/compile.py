@@ -24,9 +24,9 @@ WorkdirOpt = Annotated[
 ]
 
 
-def register(app: typer.Typer) -> None:
-    app.command("compile")(compile_)
-    app.command("release")(release)
+def register(app: typer.Typer, panel: str) -> None:
+    app.command("compile", rich_help_panel=panel)(compile_)
+    app.command("release", rich_help_panel=panel)(release)
 
 
 def compile_(

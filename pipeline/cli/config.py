@@ -14,9 +14,9 @@ from pipeline.cli._common import JsonOpt, human_bytes, print_json
 ConfigArg = Annotated[Path, typer.Argument(help="Release config (configs/<model>.yaml).")]
 
 
-def register(app: typer.Typer) -> None:
-    app.command("validate")(validate)
-    app.command("plan")(plan)
+def register(app: typer.Typer, panel: str) -> None:
+    app.command("validate", rich_help_panel=panel)(validate)
+    app.command("plan", rich_help_panel=panel)(plan)
 
 
 def validate(config: ConfigArg, json: JsonOpt = False) -> None:

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 
-def register(app: typer.Typer) -> None:
-    app.command("tiny-model")(tiny_model)
+def register(app: typer.Typer, panel: str) -> None:
+    app.command("tiny-model", rich_help_panel=panel)(tiny_model)
 
 
 def tiny_model(

@@ -10,8 +10,8 @@ import typer
 from pipeline.cli._common import JsonOpt, print_json
 
 
-def register(app: typer.Typer) -> None:
-    app.command("parity")(parity)
+def register(app: typer.Typer, panel: str) -> None:
+    app.command("parity", rich_help_panel=panel)(parity)
 
 
 def parity(

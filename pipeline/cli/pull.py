@@ -19,8 +19,8 @@ from pipeline.errors import InputError, PipelineError
 Verify = Literal["parts", "full"]
 
 
-def register(app: typer.Typer) -> None:
-    app.command("pull")(pull)
+def register(app: typer.Typer, panel: str) -> None:
+    app.command("pull", rich_help_panel=panel)(pull)
 
 
 def pull(

@@ -10,8 +10,8 @@ import typer
 from pipeline.cli._common import JsonOpt, print_json
 
 
-def register(app: typer.Typer) -> None:
-    app.command("run")(run)
+def register(app: typer.Typer, panel: str) -> None:
+    app.command("run", rich_help_panel=panel)(run)
 
 
 def run(

@@ -10,8 +10,8 @@ import typer
 from pipeline.cli._common import TrustOpt
 
 
-def register(app: typer.Typer) -> None:
-    app.command("serve")(serve)
+def register(app: typer.Typer, panel: str) -> None:
+    app.command("serve", rich_help_panel=panel)(serve)
 
 
 def serve(

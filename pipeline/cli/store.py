@@ -24,16 +24,16 @@ ChannelOpt = Annotated[
 ]
 
 
-def register(app: typer.Typer) -> None:
-    app.command("publish")(publish)
-    app.command("promote")(promote)
-    app.command("list")(list_)
-    app.command("show")(show)
-    app.command("diff")(diff)
-    app.command("gc")(gc)
-    app.command("sign")(sign)
-    app.command("keygen")(keygen)
-    app.command("pubkey")(pubkey)
+def register(app: typer.Typer, panel: str) -> None:
+    app.command("publish", rich_help_panel=panel)(publish)
+    app.command("promote", rich_help_panel=panel)(promote)
+    app.command("list", rich_help_panel=panel)(list_)
+    app.command("show", rich_help_panel=panel)(show)
+    app.command("diff", rich_help_panel=panel)(diff)
+    app.command("gc", rich_help_panel=panel)(gc)
+    app.command("sign", rich_help_panel=panel)(sign)
+    app.command("keygen", rich_help_panel=panel)(keygen)
+    app.command("pubkey", rich_help_panel=panel)(pubkey)
 
 
 def _open(url: str | None):
