@@ -7,9 +7,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeline.store.base import Store
-from pipeline.store.blobs import PART_SIZE, put_blob
+from pipeline.store.blobs import put_blob
 from pipeline.store.layout import channel_key, release_key
 from pipeline.store.manifest import MANIFEST_SCHEMA, BucketEntry, Manifest
+from pipeline.store.refs import PART_SIZE
 
 
 def make_release(

@@ -117,7 +117,7 @@ def test_valid_bucket_names_parse(bucket):
 def test_botocore_parameter_validation_is_bad_input():
     from botocore.exceptions import ParamValidationError
 
-    from pipeline.store.s3 import translate_error
+    from pipeline.store.s3_errors import translate_error
 
     e = translate_error(ParamValidationError(report='Invalid bucket name "a b": x\ny'), "s3://k")
     assert isinstance(e, InputError) and e.exit_code == 2

@@ -39,10 +39,10 @@ from pipeline.install.pull import (
     pull_release,
 )
 from pipeline.store import open_store
-from pipeline.store.blobs import FileRef, file_ref, hash_file
 from pipeline.store.layout import blob_key, release_key
 from pipeline.store.manifest import MANIFEST_SCHEMA, parse_manifest
 from pipeline.store.publish import publish
+from pipeline.store.refs import FileRef, file_ref, hash_file
 from tests.fault_proxy import FaultProxy, ranged_get_of
 from tests.release_factory import make_release
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.store import open_store
-from pipeline.store.blobs import FileRef
 from pipeline.store.layout import BLOBS_PREFIX, blob_key
 from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.publish import publish
+from pipeline.store.refs import FileRef
 from pipeline.store.releases import list_releases, read_release
 
 REPO = Path(__file__).resolve().parent.parent

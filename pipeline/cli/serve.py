@@ -117,7 +117,7 @@ def serve(
         )
     try:
         from pipeline.server.launch import serve as run
-        from pipeline.server.service import ServeOptions
+        from pipeline.server.loading import ServeOptions
     except ImportError as e:
         raise InputError(
             "serve",

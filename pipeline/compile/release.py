@@ -22,7 +22,6 @@ from pipeline.plan.config import Release
 from pipeline.store import open_store
 from pipeline.store._redact import scrub
 from pipeline.store.base import Store
-from pipeline.store.blobs import FileRef, file_ref
 from pipeline.store.cache import CacheEntry, read_cache_entry
 from pipeline.store.layout import check_version
 from pipeline.store.manifest import BucketEntry, Manifest
@@ -33,6 +32,7 @@ from pipeline.store.publish import (
     PublishResult,
     publish,
 )
+from pipeline.store.refs import FileRef, file_ref
 from pipeline.store.signing import Signer
 
 # (release, bucket, backend) -> graph key; the compile stage owns the real one.

@@ -45,9 +45,10 @@ from pipeline.plan.config import Release
 from pipeline.plan.report import release_gqa_plan
 from pipeline.store import open_store
 from pipeline.store.base import Store
-from pipeline.store.blobs import FileRef, put_blob
+from pipeline.store.blobs import put_blob
 from pipeline.store.cache import CacheEntry, fetch_cache_entry, read_cache_entry
 from pipeline.store.cache import write_cache_entry as _write_entry
+from pipeline.store.refs import FileRef
 
 LOG_FILE = "compile.log"  # each bucket's log; its blob is named in the entry's meta["log"]
 POLL_S = 0.05

@@ -23,8 +23,8 @@ from typing import Literal
 
 from pipeline._files import sha256_file
 from pipeline.errors import InputError, IntegrityError, PipelineError
-from pipeline.store.blobs import FileRef
 from pipeline.store.manifest import Manifest, parse_manifest
+from pipeline.store.refs import FileRef
 from pipeline.store.signing import Trust, parse_signature
 from pipeline.store.signing import verify as verify_signature
 

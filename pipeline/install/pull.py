@@ -57,8 +57,8 @@ from pipeline.install.installed import (
     release_files,
 )
 from pipeline.store.base import Store
-from pipeline.store.blobs import PART_SIZE, FileRef
 from pipeline.store.layout import blob_key
+from pipeline.store.refs import PART_SIZE, FileRef
 from pipeline.store.signing import Trust
 from pipeline.store.verified import read_verified
 

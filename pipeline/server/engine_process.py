@@ -316,7 +316,7 @@ def _engine_main(
     server_pid: int,
 ) -> None:
     """The engine's process: load, warm, tell the server, run the engine until closed."""
-    from pipeline.server.service import load_release, make_engine
+    from pipeline.server.loading import load_release, make_engine
 
     theirs.close()
     for sock in close:

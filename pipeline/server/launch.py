@@ -11,7 +11,8 @@ from typing import Any
 
 from pipeline.errors import InputError, PipelineError
 from pipeline.server.app import create_app
-from pipeline.server.service import ServeOptions, Service
+from pipeline.server.loading import ServeOptions
+from pipeline.server.service import Service
 
 log = logging.getLogger("inf2_pipeline.serve")
 

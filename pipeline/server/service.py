@@ -14,120 +14,16 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.plan.buckets import Bucket
-from pipeline.server.engine import Engine, EngineFailed, Hooks
+from pipeline.server.engine import EngineFailed
+from pipeline.server.loading import Loaded, ServeOptions, load_release, make_engine
 from pipeline.server.metrics import Metrics
 from pipeline.server.tokenizer import load_tokenizer
 
 log = logging.getLogger("inf2_pipeline.serve")
-
-
-@dataclass
-class ServeOptions:
-    path: Path
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_queue: int = 256
-    max_prefills: int = 4  # prefills per iteration: each stalls the running rows
-    spill: bool = True  # a request may take a free slot of a longer bucket rather than wait
-    overflow: bool = False  # open a smaller idle bucket beside a full running one
-    batching: str = "iteration"  # or "static": the batch-at-a-time baseline
-    api_key: str | None = None  # required as `Authorization: Bearer` on /v1 when set
-    # a chat answer's length when the request names none (None: what the largest bucket
-    # holds after the prompt, as vLLM's default; a long reserve lands in the longest bucket)
-    chat_max_tokens: int | None = None
-    # a stream sends the tokens that piled up while the event loop was busy in one event
-    # (less loop work per token under load; off: one event per token, always)
-    coalesce: bool = False
-    # launch each iteration's steps before reading the last one's tokens (cpu/cuda slots)
-    overlap: bool = True
-    # the keys whose signature the release must carry (pipeline.store.signing.Trust)
-    trust: Any = None
-    # the engine in a process of its own: the HTTP side's Python never holds the GIL the
-    # model thread needs between device calls (off: a thread of the server's process)
-    engine_process: bool = True
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """What the HTTP side needs of the loaded release, in whichever process loaded it."""
-
-    name: str
-    version: str
-    device: str
-    dir: Path  # the release's files (its tokenizer)
-    vocab: int
-    buckets: tuple[Bucket, ...]  # the resident ones
-    seeded: bool  # a request's seed is honoured (False where an export samples on Neuron)
-    max_topk: int  # the largest top_k every resident sampler takes (0: any)
-    need_extra: int  # tokens_needed(p, m) - p - m: the runner's rule, linear on every backend
-
-    def tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
-        return prompt_len + max_new_tokens + self.need_extra
-
-    @property
-    def largest(self) -> Bucket:
-        """The resident bucket with the longest sequence (then the largest batch)."""
-        return max(self.buckets, key=lambda b: (b.seq, b.batch))
-
-
-def load_release(
-    options: ServeOptions, loader: Callable[[Path], Any], phase: Callable[[str], None]
-) -> tuple[Any, list[Bucket], Loaded]:
-    """Load the release and warm its resident buckets: the model, those buckets, and what the
-    HTTP side needs to know of them. ``phase`` hears "warming up"."""
-    model = loader(options.path)
-    phase("warming up")
-    model.warmup()
-    # The buckets the runner keeps loaded (all of them on cpu/cuda; on neuron those that fit
-    # the HBM budget, each export holding its own weights) are resident; each runs once here,
-    # so one-time costs (allocation, lazy init) do not fall on the first request.
-    resident = model.warm_buckets()
-    for bucket in resident:
-        warm(model.slots(bucket))
-    slots = [model.slots(b) for b in resident]
-    limits = [getattr(s, "max_topk", 0) for s in slots if getattr(s, "max_topk", 0)]
-    loaded = Loaded(
-        name=model.manifest.model,
-        version=model.manifest.version,
-        device=str(model.device),
-        dir=Path(model.dir),
-        vocab=model.vocab_size(),
-        buckets=tuple(sorted(resident)),
-        seeded=all(getattr(s, "seeded", True) for s in slots),
-        max_topk=min(limits, default=0),
-        need_extra=model.tokens_needed(1, 1) - 2,
-    )
-    return model, resident, loaded
-
-
-def make_engine(
-    model: Any,
-    resident: Sequence[Bucket],
-    options: ServeOptions,
-    loop: asyncio.AbstractEventLoop | None,
-    hooks: Hooks,
-    **more: Any,
-) -> Engine:
-    o = options
-    return Engine(
-        model,
-        resident,
-        loop,
-        max_queue=more.pop("max_queue", o.max_queue),
-        max_prefills=o.max_prefills,
-        spill=o.spill,
-        overflow=o.overflow,
-        batching=o.batching,
-        overlap=o.overlap,
-        hooks=hooks,
-        **more,
-    )
 
 
 class Service:
@@ -269,24 +165,6 @@ class Service:
         """The server is exiting: the engine's process does not outlive it."""
         if self.process is not None:
             self.process.kill()
-
-
-def warm(slots: Any) -> None:
-    """Run every graph the bucket has once, in slot 0 (then free it), so no first request
-    pays a graph's first-call costs: a prompt at each prefill length (cpu/cuda; on neuron a
-    two-token prompt, since one token takes the decode graph), a shared prefill call where
-    the slots have one, and a step."""
-    for n in getattr(slots, "prefill_lengths", None) or [min(2, slots.seq - 1)]:
-        slots.prefill(0, [0] * n)
-        slots.free(0)
-    if slots.seq > 2:
-        slots.prefill(0, [0, 0])
-        slots.step([0])
-        slots.free(0)
-    if getattr(slots, "prefill_batch", 1) > 1:
-        slots.prefill_many([0, 1], [[0, 0], [0, 0]])
-        slots.free(0)
-        slots.free(1)
 
 
 def _load_model(path: Path, trust: Any = None) -> Any:

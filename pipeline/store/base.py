@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipeline.store.blobs import FileRef
+    from pipeline.store.refs import FileRef
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.errors import StoreError
 from pipeline.store.base import Store
-from pipeline.store.blobs import FileRef, get_blob
+from pipeline.store.blobs import get_blob
 from pipeline.store.layout import cache_key
+from pipeline.store.refs import FileRef
 
 CACHE_SCHEMA = 2  # 2: kind (graphs | weights)
 

@@ -22,7 +22,7 @@ from pipeline.errors import (
 )
 from pipeline.store.base import Store
 from pipeline.store.layout import channel_key, channels_prefix
-from pipeline.store.manifest import first_problem, json_object
+from pipeline.store.manifest import first_problem, json_object, read_release_bytes
 from pipeline.store.signing import Trust, manifest_digest, verify_in_store
 
 CHANNEL_SCHEMA = 1
@@ -108,8 +108,6 @@ def _check_release(store: Store, model: str, version: str, trust: Trust | None) 
     """The release exists, its manifest reads (and, with ``trust``, is signed by a trusted
     key): a channel must never point at a release that no pod could pull. Returns the
     sha256 of the manifest's bytes."""
-    from pipeline.store.releases import read_release_bytes  # which imports this module
-
     _, data = read_release_bytes(store, model, version)
     if trust is not None:
         verify_in_store(store, model, version, data, trust)

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pipeline.store.blobs import FileRef
 from pipeline.store.manifest import Manifest
+from pipeline.store.refs import FileRef
 
 # Facts compared key by key (nested dicts flattened to dotted names).
 FACTS = (

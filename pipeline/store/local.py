@@ -17,7 +17,7 @@ from pipeline.errors import AlreadyExistsError, ConflictError, InputError, NotFo
 from pipeline.store.base import ObjectInfo, Store
 
 if TYPE_CHECKING:
-    from pipeline.store.blobs import FileRef
+    from pipeline.store.refs import FileRef
 
 _SKIP = (".incomplete", ".lock")  # temporary files and CAS locks are never keys
 LOCK_TIMEOUT_S = 10.0

@@ -13,8 +13,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.errors import ManifestError, RuntimeMismatchError
-from pipeline.store.blobs import FileRef
+from pipeline.errors import ManifestError, NotFoundError, RuntimeMismatchError
+from pipeline.store.base import Store
+from pipeline.store.layout import release_key
+from pipeline.store.refs import FileRef
 
 # 2: FileRef.part_size and FileRef.parts (per-part sha256, for verified parallel pulls), and
 # BucketEntry.weights_key (graphs and prepared weights cached apart: a fine-tune recompiles
@@ -139,3 +141,27 @@ def first_problem(e: ValidationError) -> str:
 
 def _printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# --- reading one from a store (``pipeline.store.releases`` lists and resolves them) ---
+
+
+def read_release_bytes(store: Store, model: str, version: str) -> tuple[Manifest, bytes]:
+    """The manifest and its stored bytes (pull installs them verbatim)."""
+    data = read_manifest_bytes(store, model, version)
+    what = f"release {model} {version} ({store.url}/{release_key(model, version)})"
+    return parse_release(data, what, model, version), data
+
+
+def read_manifest_bytes(store: Store, model: str, version: str) -> bytes:
+    """The stored manifest's bytes, unparsed (pull verifies them before it parses them)."""
+    key = release_key(model, version)
+    try:
+        data = store.get_bytes(key)
+    except NotFoundError:
+        raise NotFoundError(
+            f"release {model} {version}",
+            f"not found in {store.url}",
+            f"see 'inf2-pipeline list {model} --store {store.url}'",
+        ) from None
+    return data

@@ -32,9 +32,9 @@ from pipeline.errors import (
     NotFoundError,
 )
 from pipeline.store.base import Store
-from pipeline.store.blobs import FileRef, file_ref
 from pipeline.store.layout import blob_key, release_key
 from pipeline.store.manifest import Manifest, parse_manifest
+from pipeline.store.refs import FileRef, file_ref
 from pipeline.store.signing import (
     Signer,
     Trust,

@@ -11,35 +11,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pipeline.errors import InputError, NotFoundError
 from pipeline.store.base import Store
 from pipeline.store.channels import Channel, list_channels, read_channel
-from pipeline.store.layout import MODELS_PREFIX, release_key, releases_prefix
-from pipeline.store.manifest import Manifest, parse_release
+from pipeline.store.layout import MODELS_PREFIX, releases_prefix
+from pipeline.store.manifest import Manifest, read_release_bytes
 
 READ_CONCURRENCY = 16
 
 
 def read_release(store: Store, model: str, version: str) -> Manifest:
     return read_release_bytes(store, model, version)[0]
-
-
-def read_release_bytes(store: Store, model: str, version: str) -> tuple[Manifest, bytes]:
-    """The manifest and its stored bytes (pull installs them verbatim)."""
-    data = read_manifest_bytes(store, model, version)
-    what = f"release {model} {version} ({store.url}/{release_key(model, version)})"
-    return parse_release(data, what, model, version), data
-
-
-def read_manifest_bytes(store: Store, model: str, version: str) -> bytes:
-    """The stored manifest's bytes, unparsed (pull verifies them before it parses them)."""
-    key = release_key(model, version)
-    try:
-        data = store.get_bytes(key)
-    except NotFoundError:
-        raise NotFoundError(
-            f"release {model} {version}",
-            f"not found in {store.url}",
-            f"see 'inf2-pipeline list {model} --store {store.url}'",
-        ) from None
-    return data
 
 
 def resolve_version(
@@ -124,9 +103,7 @@ __all__ = [
     "list_models",
     "list_releases",
     "list_versions",
-    "read_manifest_bytes",
     "read_release",
-    "read_release_bytes",
     "resolve_pointer",
     "resolve_release",
     "resolve_version",

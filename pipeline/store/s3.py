@@ -6,10 +6,11 @@ Path-style addressing, which most S3-compatible servers need, is chosen by
 ``?addressing_style=path`` on the URL or by ``s3.addressing_style`` in the AWS config file.
 
 Two functions own the boundary to the AWS SDK: ``make_client`` creates every client
-(timeouts, standard retries) and ``translate_error`` turns every SDK failure into a pipeline
-error, with credentials scrubbed from the message. Clients are botocore's, as boto3 makes
-them; boto3 is imported only for its managed (multipart, concurrent) uploads and downloads,
-so a pull, whose GETs are its own, never loads it or s3transfer.
+(timeouts, standard retries) and ``translate_error`` (``pipeline.store.s3_errors``) turns
+every SDK failure into a pipeline error, with credentials scrubbed from the message.
+Clients are botocore's, as boto3 makes them; boto3 is imported only for its managed
+(multipart, concurrent) uploads and downloads, so a pull, whose GETs are its own, never
+loads it or s3transfer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import base64
 import contextlib
 import functools
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,27 +32,21 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    ConnectionError,
-    HTTPClientError,
     InvalidRegionError,
-    NoCredentialsError,
-    ParamValidationError,
-    PartialCredentialsError,
     ProfileNotFound,
 )
 
 from pipeline._files import atomic_writer
 from pipeline.errors import (
-    AlreadyExistsError,
     ConflictError,
     InputError,
     NotFoundError,
-    PipelineError,
     StoreError,
 )
 from pipeline.store._redact import scrub
 from pipeline.store.base import ObjectInfo, Store
-from pipeline.store.blobs import FileRef
+from pipeline.store.refs import FileRef
+from pipeline.store.s3_errors import translate_error, upload_failed
 from pipeline.store.s3_ranges import BotocoreOnly, RangeReader, check_content_range
 
 MiB = 1 << 20
@@ -209,66 +203,7 @@ def _session() -> botocore.session.Session:
     return _SESSIONS[env]
 
 
-def _upload_failed(e: BaseException) -> bool:
-    # boto3 is imported by managed transfers only; no boto3, no boto3 error
-    exceptions = sys.modules.get("boto3.exceptions")
-    return exceptions is not None and isinstance(e, exceptions.S3UploadFailedError)
-
-
 ClientFactory = Callable[..., Any]
-
-
-def translate_error(e: BaseException, what: str, *, condition: str | None = None) -> PipelineError:
-    """Every boto3 failure becomes a pipeline error here, and only here.
-
-    ``condition``: "if_absent" or "if_match" when the request was a conditional write, so
-    that 412 Precondition Failed means AlreadyExists or Conflict respectively.
-    """
-    if _upload_failed(e) and isinstance(e.__context__, ClientError):
-        e = e.__context__  # boto3 wraps upload errors in a string; the real one is the context
-    if isinstance(e, ClientError):
-        err = e.response.get("Error", {})
-        code = str(err.get("Code", ""))
-        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        message = scrub(str(err.get("Message") or code or "error"))
-        if code == "NoSuchBucket":
-            bucket = what.split("/")[2] if what.startswith("s3://") else what
-            return NotFoundError(f"s3://{bucket}", "bucket does not exist", "check --store")
-        if code in ("404", "NoSuchKey", "NotFound") or status == 404:
-            return NotFoundError(what, "not found in the store", None)
-        if code == "PreconditionFailed" or status == 412:
-            if condition == "if_absent":
-                return AlreadyExistsError(what, "already exists", None)
-            return ConflictError(what, "changed since it was read", "re-read and retry")
-        if code == "ConditionalRequestConflict" or status == 409:
-            return ConflictError(what, "a concurrent conditional write won", "retry")
-        if status == 403 or code in (
-            "AccessDenied",
-            "InvalidAccessKeyId",
-            "SignatureDoesNotMatch",
-            "ExpiredToken",
-            "InvalidToken",
-        ):
-            return StoreError(
-                what,
-                f"access denied ({code}: {message})",
-                "check the AWS credentials (AWS_PROFILE, the IRSA role) and the bucket policy",
-            )
-        return StoreError(what, f"S3 error {code or status}: {message}", "retry later")
-    if isinstance(e, NoCredentialsError | PartialCredentialsError):
-        return StoreError(
-            what,
-            "no usable AWS credentials",
-            "set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use an IRSA role",
-        )
-    if isinstance(e, ParamValidationError):  # refused before any request: retrying can't help
-        report = str(e.kwargs.get("report") or e).strip().splitlines()
-        return InputError(what, scrub(report[0] if report else str(e)), "check --store")
-    if isinstance(e, ConnectionError | HTTPClientError):
-        return StoreError(
-            what, f"cannot reach S3: {scrub(str(e))}", "check the network and AWS_ENDPOINT_URL"
-        )
-    return StoreError(what, scrub(str(e)) or type(e).__name__, None)
 
 
 def parse_s3_url(url: str) -> tuple[str, str, dict[str, str]]:
@@ -360,7 +295,7 @@ class S3Store(Store):
         try:
             return fn()
         except Exception as e:
-            if isinstance(e, ClientError | BotoCoreError) or _upload_failed(e):
+            if isinstance(e, ClientError | BotoCoreError) or upload_failed(e):
                 raise translate_error(e, self._what(key), condition=condition) from None
             raise
 

@@ -32,6 +32,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline.errors import PipelineError, StoreError
 from pipeline.store._redact import scrub
+from pipeline.store.s3_errors import translate_error
 
 # A presigned URL is reused for this long per key (a blob's ranges share one signature),
 # and valid for URL_EXPIRES_S. botocore refreshes temporary credentials at least 10 minutes
@@ -279,6 +280,4 @@ def _error(status: int, body: bytes, what: str) -> tuple[str, PipelineError]:
 
 
 def _translate(e: BaseException, what: str) -> PipelineError:
-    from pipeline.store.s3 import translate_error  # s3 imports this module
-
     return translate_error(e, what)

@@ -188,7 +188,8 @@ class KmsSigner:
     def __init__(self, key: str, client: Any = None) -> None:
         from cryptography.hazmat.primitives import serialization
 
-        from pipeline.store.s3 import make_client, translate_error
+        from pipeline.store.s3 import make_client
+        from pipeline.store.s3_errors import translate_error
 
         self._key = key
         self._what = f"KMS key {key}"
@@ -211,7 +212,7 @@ class KmsSigner:
         self.signer = f"kms:{got.get('KeyId', key)}"
 
     def sign(self, data: bytes) -> bytes:
-        from pipeline.store.s3 import translate_error
+        from pipeline.store.s3_errors import translate_error
 
         try:
             got = self._client.sign(

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pipeline.errors import VerificationError
 from pipeline.store.base import Store
 from pipeline.store.layout import release_key
-from pipeline.store.manifest import Manifest, parse_release
-from pipeline.store.releases import read_manifest_bytes, resolve_pointer
+from pipeline.store.manifest import Manifest, parse_release, read_manifest_bytes
+from pipeline.store.releases import resolve_pointer
 from pipeline.store.signing import (
     Signature,
     Status,

@@ -1,0 +1,87 @@
+"""A file's ref: its path, sha256, size and part digests, as manifests and cache entries name it.
+
+A ref carries the whole-file sha256 (the blob's name) and, since manifest schema 2, the
+sha256 of each fixed-size part (``part_size`` bytes; the last part may be shorter). Part
+digests let ``pull`` check every range on the thread that fetched it and re-fetch only a bad
+part; they are the same SHA-256 checksums the S3 store sends with each multipart upload part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+# 16 MiB: above S3's 5 MiB minimum multipart part, a request large enough to amortise its
+# round trip, small enough that concurrency x part stays a few hundred MiB; 10,000 parts
+# (S3's maximum) cover 160 GiB.
+PART_SIZE = 16 << 20
+READ = 1 << 20
+
+
+class FileRef(BaseModel):
+    """One file of a bucket (or of the release): its relative path, digest and size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(description="relative path inside the bucket directory, '/'-separated")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+    part_size: int | None = Field(default=None, gt=0)
+    parts: list[str] | None = Field(default=None, description="sha256 of each part, in order")
+
+    @model_validator(mode="after")
+    def _parts_cover_the_file(self) -> FileRef:
+        if (self.parts is None) != (self.part_size is None):
+            raise ValueError("part_size and parts go together")
+        if self.parts is not None and self.part_size is not None:
+            want = -(-self.size // self.part_size)
+            if len(self.parts) != want:
+                raise ValueError(f"{len(self.parts)} part digests for {want} parts")
+            for p in self.parts:
+                if len(p) != 64 or p.strip("0123456789abcdef"):
+                    raise ValueError("a part digest is not a sha256 hex digest")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_absent_parts(self, handler: Any) -> dict[str, Any]:
+        # A ref without part digests serialises exactly as schema 1 wrote it.
+        data = handler(self)
+        if self.parts is None:
+            data.pop("part_size", None)
+            data.pop("parts", None)
+        return data
+
+    def part_range(self, index: int) -> tuple[int, int]:
+        """(offset, length) of part ``index``."""
+        assert self.part_size is not None
+        start = index * self.part_size
+        return start, min(self.part_size, self.size - start)
+
+
+def hash_file(path: Path, part_size: int = PART_SIZE) -> tuple[str, int, list[str]]:
+    """(whole-file sha256, size, sha256 of each part) in one read of the file."""
+    whole = hashlib.sha256()
+    parts: list[str] = []
+    size = 0
+    with open(path, "rb") as f:
+        while True:
+            part = hashlib.sha256()
+            left = part_size
+            while left and (chunk := f.read(min(READ, left))):
+                whole.update(chunk)
+                part.update(chunk)
+                left -= len(chunk)
+                size += len(chunk)
+            if left == part_size:
+                break
+            parts.append(part.hexdigest())
+    return whole.hexdigest(), size, parts
+
+
+def file_ref(path: Path, rel_path: str, part_size: int = PART_SIZE) -> FileRef:
+    """The ref of a local file, with part digests: its digest and size, named ``rel_path``."""
+    digest, size, parts = hash_file(path, part_size)
+    return FileRef(path=rel_path, sha256=digest, size=size, part_size=part_size, parts=parts)
