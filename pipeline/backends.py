@@ -29,19 +29,19 @@ BACKENDS: dict[str, BackendSpec] = {
             "neuron",
             compiler="pipeline.compile.backends.neuron:NeuronBackend",
             runtime="pipeline.runtime.neuron:NeuronRunner",
-            parity="pipeline.parity.runners:NeuronRunner",
+            parity="pipeline.parity.targets:NeuronTarget",
         ),
         BackendSpec(
             "cuda",
             compiler="pipeline.compile.backends.aoti:CudaBackend",
             runtime="pipeline.runtime.aoti:AotiRunner",
-            parity="pipeline.parity.runners:AotiRunner",
+            parity="pipeline.parity.targets:AotiTarget",
         ),
         BackendSpec(
             "cpu",
             compiler="pipeline.compile.backends.aoti:CpuBackend",
             runtime="pipeline.runtime.aoti:AotiRunner",
-            parity="pipeline.parity.runners:AotiRunner",
+            parity="pipeline.parity.targets:AotiTarget",
         ),
     )
 }

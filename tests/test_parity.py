@@ -18,7 +18,7 @@ from pipeline.cli import app
 from pipeline.parity import TOLERANCES, BucketParity, prompt_lengths, tolerance_dtype
 from pipeline.parity.check import _greedy_verdict
 from pipeline.parity.reference import _unpad
-from pipeline.parity.runners import AotiRunner
+from pipeline.parity.targets import AotiTarget
 from pipeline.plan.gqa import plan_gqa
 
 
@@ -105,7 +105,7 @@ class PerturbedRunner:
     untouched, so only the logit error can catch it."""
 
     def __init__(self, *args, **kwargs) -> None:
-        self.inner = AotiRunner(*args, **kwargs)
+        self.inner = AotiTarget(*args, **kwargs)
         self.device = self.inner.device
 
     def session(self, bucket):

@@ -21,7 +21,7 @@ import pytest
 from pipeline.plan.buckets import Bucket
 from pipeline.server.engine import Closed, Engine, Failed, Finished, QueueFull, Request, Tokens
 from pipeline.server.metrics import Metrics
-from pipeline.server.scheduler import BucketSlots, Placement, place
+from pipeline.server.placement import BucketSlots, Placement, place
 from pipeline.server.tokenizer import TextStream
 
 EOS = 2

@@ -40,7 +40,7 @@ from pipeline._files import atomic_write_text
 from pipeline.errors import InputError
 from pipeline.install.installed import open_installed, verify_files
 from pipeline.parity.reference import Reference, reference_device
-from pipeline.parity.runners import BucketRunner
+from pipeline.parity.targets import BucketSession
 from pipeline.store.manifest import Manifest
 
 DEFAULT_STEPS = 8
@@ -280,7 +280,7 @@ def make_prompts(
 
 
 def _check_bucket(
-    run: BucketRunner, ref: Reference, name: str, tol: Tolerance, steps: int, seed: int
+    run: BucketSession, ref: Reference, name: str, tol: Tolerance, steps: int, seed: int
 ) -> BucketParity:
     import torch
 
@@ -319,7 +319,7 @@ def _check_bucket(
 
 def _tally_greedy(
     out: BucketParity,
-    run: BucketRunner,
+    run: BucketSession,
     prompts: list[list[int]],
     expected: list[tuple[list[int], Any]],
     steps: int,
@@ -338,7 +338,7 @@ def _tally_greedy(
 
 
 def _check_bucket_tokens(
-    run: BucketRunner, ref: Reference, name: str, tol: Tolerance, steps: int, seed: int
+    run: BucketSession, ref: Reference, name: str, tol: Tolerance, steps: int, seed: int
 ) -> BucketParity:
     """Free-running greedy tokens only, for runners that return no logits. The whole
     sequence must fit the bucket (neuron: prompt + new tokens ≤ sequence length)."""

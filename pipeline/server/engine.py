@@ -47,7 +47,7 @@ from typing import Any, Protocol
 from pipeline.plan.buckets import Bucket
 from pipeline.runtime.pending import Pending, Ready
 from pipeline.runtime.sampling import GREEDY, SamplingParams
-from pipeline.server.scheduler import BucketSlots, place
+from pipeline.server.placement import BucketSlots, place
 
 log = logging.getLogger("inf2_pipeline.serve")
 

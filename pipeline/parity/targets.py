@@ -1,5 +1,6 @@
-"""How parity runs one bucket of a release step by step, per backend (named in the backend
-table, ``pipeline.backends``)."""
+"""The release under test, per backend: how parity runs one bucket of it step by step (each
+named in the backend table, ``pipeline.backends``). They wrap the serving runtime's own
+runners, so parity checks what the pods run."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pipeline.install.installed import InstalledRelease
 from pipeline.plan.buckets import Bucket
 
 
-class BucketRunner(Protocol):
+class BucketSession(Protocol):
     """One bucket of a release, runnable: what ``DecodeSession`` provides."""
 
     batch: int
@@ -23,7 +24,7 @@ class BucketRunner(Protocol):
     ) -> list[list[int]]: ...
 
 
-class AotiRunner:
+class AotiTarget:
     """cpu and cuda releases: the serving runtime itself (``BucketedModel``)."""
 
     def __init__(self, installed: InstalledRelease, *, cuda_graphs: bool) -> None:
@@ -32,11 +33,11 @@ class AotiRunner:
         self.runtime = Runtime(installed, cuda_graphs=cuda_graphs)
         self.device = self.runtime.device
 
-    def session(self, bucket: str) -> BucketRunner:
+    def session(self, bucket: str) -> BucketSession:
         return self.runtime.session(Bucket.parse(bucket))
 
 
-class NeuronRunner:
+class NeuronTarget:
     """neuron releases: the serving runtime itself (``pipeline.runtime.neuron``), one bucket
     loaded at a time. Greedy tokens only: Llama/Qwen exports sample on the device
     (``on_device_sampling``, optimum/neuron/models/inference/llama/modeling_llama.py:341-363)
@@ -52,7 +53,7 @@ class NeuronRunner:
 
         self.runtime = Runtime(installed)
 
-    def session(self, bucket: str) -> BucketRunner:
+    def session(self, bucket: str) -> BucketSession:
         b = Bucket.parse(bucket)
         for other in self.runtime.loaded:  # parity walks the buckets once: free the last
             if other != b:
