@@ -3,9 +3,24 @@
 - ``keys``: cache keys (no torch), also used by ``publish``
 - ``shards``: deterministic, cost-balanced splits of the grid
 - ``runner``: cache lookups, parallel worker processes, uploads (``compile_release``)
+- ``release``: the compiled buckets as a release, published (``publish_release``)
 - ``worker``: the child-process entry point, one bucket per process
 - ``backends``: cpu/cuda (AOTInductor) and neuron (optimum-cli) behind one interface
 - ``decoder``: the exportable Llama/Mistral/Qwen2 decoder behind the cpu/cuda graphs
 
 The graph contract the runtime relies on is ``pipeline.runtime.graph_abi``.
 """
+
+from pipeline._front_door import front_door
+
+__all__, __getattr__ = front_door(
+    __name__,
+    {
+        "compile_release": "runner",
+        "CompileReport": "runner",
+        "publish_release": "release",
+        "pad_checkpoint": "gqa_pad",
+        "shard": "shards",
+        "parse_shard": "shards",
+    },
+)

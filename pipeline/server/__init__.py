@@ -1,6 +1,19 @@
 """``inf2-pipeline serve``: an OpenAI-compatible HTTP server over an installed release.
 
-app.py (routes, the engine thread, uvicorn), scheduler.py (waiting requests → batches in the
-nearest bucket), protocol.py (the completions wire format), tokenizer.py (text in and out),
-metrics.py (Prometheus). Needs the optional extra ``inf2-pipeline[serve]``; docs/serve.md.
+engine.py (the loop over the resident buckets' slots), engine_process.py (it, in a process
+of its own), loading.py (the release loaded and warmed), placement.py (waiting requests →
+free slots), admission.py, app.py (routes), protocol.py and chat.py (the wire formats),
+tokenizer.py, metrics.py (Prometheus). Needs the optional extra ``inf2-pipeline[serve]``;
+docs/serve.md.
 """
+
+from pipeline._front_door import front_door
+
+__all__, __getattr__ = front_door(
+    __name__,
+    {
+        "serve": "launch",
+        "ServeOptions": "loading",
+        "Engine": "engine",
+    },
+)

@@ -6,6 +6,7 @@ of supported schemes cannot drift from what is implemented.
 
 from __future__ import annotations
 
+from pipeline._front_door import front_door
 from pipeline.errors import InputError
 from pipeline.store.base import Store
 from pipeline.store.local import LocalStore
@@ -40,3 +41,20 @@ def open_store(url: str | None = None, **kw) -> Store:
 
 
 __all__ = ["DEFAULT_STORE", "REGISTRY", "Store", "open_store"]
+
+
+_entry_points, __getattr__ = front_door(
+    __name__,
+    {
+        "promote": "channels",
+        "list_models": "releases",
+        "list_releases": "releases",
+        "read_release": "releases",
+        "resolve_release": "releases",
+        "diff_releases": "diff",
+        "sign_release": "publish",
+        "load_trust": "signing",
+        "open_signer": "signing",
+    },
+)
+__all__ = ["DEFAULT_STORE", "REGISTRY", "Store", "open_store", *_entry_points]
