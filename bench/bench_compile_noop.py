@@ -17,8 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.compile.keys import bucket_cache_key, weights_digest
+from pipeline.compile.keys import bucket_cache_key
 from pipeline.compile.runner import compile_release
+from pipeline.contracts.digests import weights_digest
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.blobs import put_blob
@@ -87,9 +88,9 @@ def main() -> None:
 
 
 def _cold_hash(ckpt: Path) -> str:
-    from pipeline.compile import keys
+    from pipeline.contracts import digests
 
-    keys._memo.clear()
+    digests._memo.clear()
     return weights_digest(ckpt)
 
 

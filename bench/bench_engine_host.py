@@ -42,7 +42,7 @@ from bench_serve import (  # noqa: E402
 from sim_device import SimModel, Timings  # noqa: E402
 
 from pipeline._files import atomic_write_text  # noqa: E402
-from pipeline.plan.buckets import Bucket  # noqa: E402
+from pipeline.contracts.bucket import Bucket  # noqa: E402
 from tests.serve_helpers import ServerProcess, metric  # noqa: E402
 
 BUSY = "inf2_sim_device_busy_seconds"

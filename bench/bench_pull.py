@@ -48,10 +48,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.contracts.bucket import Bucket, select_bucket
+from pipeline.contracts.store_layout import blob_key, release_key
 from pipeline.install.pull import available_cpus, default_concurrency
-from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.store.blobs import put_blob
-from pipeline.store.layout import blob_key, release_key
 from pipeline.store.local import LocalStore
 from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.s3 import GETS_ENV

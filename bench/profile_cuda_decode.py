@@ -162,7 +162,7 @@ def kernel_attention_table(reps: int) -> list[dict[str, Any]]:
     SDPA (``decoder.attend``) against ``decode_attention``'s kernel, 16 layers per graph."""
     from pipeline.compile import decode_attention
     from pipeline.compile import decoder as dec
-    from pipeline.runtime.graph_abi import key_tiers
+    from pipeline.contracts.graph_abi import key_tiers
 
     decode_attention.register()
     rows = []
@@ -408,7 +408,7 @@ def project_step(
 
     from pipeline.compile import decoder as dec
     from pipeline.compile.backends.aoti import CUDA_OPTIONS
-    from pipeline.runtime.graph_abi import key_tiers
+    from pipeline.contracts.graph_abi import key_tiers
 
     cfg = llama_config(SHAPES["llama-3.2-1b"])
     model = dec.build(cfg, torch.bfloat16, "cuda", dec.Decode)

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_pull import BUCKET, make_release, serve_root
 
-from pipeline.store.layout import blob_key
+from pipeline.contracts.store_layout import blob_key
 from pipeline.store.local import LocalStore
 
 RANGE = 16 << 20

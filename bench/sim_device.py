@@ -27,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 
 
 @dataclass(frozen=True)

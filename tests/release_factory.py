@@ -6,9 +6,9 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pipeline.contracts.store_layout import channel_key, release_key
 from pipeline.store.base import Store
 from pipeline.store.blobs import put_blob
-from pipeline.store.layout import channel_key, release_key
 from pipeline.store.manifest import MANIFEST_SCHEMA, BucketEntry, Manifest
 from pipeline.store.refs import PART_SIZE
 

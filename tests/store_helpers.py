@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 from pipeline.plan.config import Release
 from pipeline.store.base import Store
 from pipeline.store.blobs import put_blob

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from sim_device import Device, SimSlots, Timings
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 
 
 def test_the_queue_runs_work_in_order_after_the_previous_ends():

@@ -17,8 +17,10 @@ import transformers
 
 from pipeline.compile import decoder as dec
 from pipeline.compile.runner import compile_release
+from pipeline.contracts import checkpoint_layout
+from pipeline.contracts.graph_abi import GRAPH_FILE, GraphSpec
 from pipeline.plan.config import load_config
-from pipeline.runtime.graph_abi import GRAPH_FILE, GraphSpec, new_cache
+from pipeline.runtime.graph_loading import new_cache
 from pipeline.tiny_model import write_tiny_model
 
 ATOL = 1e-4  # fp32; measured differences are ~1e-5
@@ -76,7 +78,7 @@ def hf_tiny(tiny_checkpoint):
 
 
 def test_every_compiled_bucket_reproduces_hugging_face(compiled_store, hf_tiny):
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     config, _ = compiled_store
     release = load_config(config)
@@ -180,7 +182,7 @@ def test_eager_decoder_matches_hugging_face(tmp_path, arch, extra):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_cuda_bucket_reproduces_hugging_face(tiny_checkpoint, write_config, hf_tiny):
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     config = write_config(
         """
@@ -238,7 +240,7 @@ def test_fused_projections_round_trip_and_keep_row_order(tmp_path):
 
     ckpt = write_tiny_model(tmp_path / "m", arch="qwen2", heads=8, kv_heads=2)  # qkv biases
     hf = read_checkpoint(ckpt)
-    fused = dec.fuse_checkpoint(dict(hf))
+    fused = checkpoint_layout.fuse_checkpoint(dict(hf))
     pre = "model.layers.1."
     assert not any("q_proj" in k or "gate_proj" in k for k in fused)
     qkv = fused[pre + "self_attn.qkv_proj.weight"]
@@ -251,7 +253,7 @@ def test_fused_projections_round_trip_and_keep_row_order(tmp_path):
     assert torch.equal(
         fused[pre + "mlp.gate_up_proj.weight"][-1], hf[pre + "mlp.up_proj.weight"][-1]
     )
-    back = dec.unfuse_checkpoint(fused)
+    back = checkpoint_layout.unfuse_checkpoint(fused)
     assert back.keys() == hf.keys()
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
@@ -260,11 +262,11 @@ def test_fused_projections_round_trip_and_keep_row_order(tmp_path):
         "l.self_attn.qkv_proj.weight": torch.randn((12 + 2 * 4) * 8, 16),
         "l.self_attn.o_proj.weight": torch.randn(16, 12 * 8),
     }
-    parts = dec.unfuse_checkpoint(padded)
+    parts = checkpoint_layout.unfuse_checkpoint(padded)
     assert [parts[f"l.self_attn.{p}_proj.weight"].shape[0] for p in "qkv"] == [96, 32, 32]
 
     partial = {k: v for k, v in hf.items() if "k_proj" not in k}
-    left = dec.fuse_checkpoint(partial)
+    left = checkpoint_layout.fuse_checkpoint(partial)
     assert pre + "self_attn.q_proj.weight" in left and pre + "mlp.gate_up_proj.weight" in left
 
 
@@ -279,7 +281,7 @@ def test_decode_attends_the_whole_bucket_when_its_length_cannot_be_dynamic(
 
     from pipeline.compile.backends.aoti import CpuBackend
     from pipeline.compile.backends.base import BucketJob
-    from pipeline.plan.buckets import Bucket
+    from pipeline.contracts.bucket import Bucket
 
     real = torch.export.export
 
@@ -301,7 +303,7 @@ def test_decode_attends_the_whole_bucket_when_its_length_cannot_be_dynamic(
 def test_decode_refuses_key_positions_its_graph_was_not_built_for():
     """AOTInductor does not check input shapes: a static decode graph given fewer key
     positions than its bucket would read past them, so BucketGraphs refuses that length."""
-    from pipeline.runtime.graph_abi import _checked_key_positions
+    from pipeline.runtime.graph_loading import _checked_key_positions
 
     static = GraphSpec(1, 16, 2, 2, 8, 512, "float32", "cpu", attend_prefix=False)
     dynamic = GraphSpec(1, 16, 2, 2, 8, 512, "float32", "cpu")

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from pipeline.compile import keys
-from pipeline.compile.keys import bucket_cache_key, weights_digest
-from pipeline.plan.buckets import Bucket
+from pipeline.compile.keys import bucket_cache_key
+from pipeline.contracts import digests
+from pipeline.contracts.bucket import Bucket
+from pipeline.contracts.digests import weights_digest
 from pipeline.plan.config import load_config
 from tests.config_factory import release_yaml
 
@@ -101,22 +103,22 @@ def test_graph_key_changes_with_the_model_config_but_not_the_weights(write_confi
     raw = bytearray(weights.read_bytes())
     raw[-1] ^= 1
     weights.write_bytes(bytes(raw))
-    keys._memo.clear()
+    digests._memo.clear()
     assert key_of(write_config, text) == base
 
 
 def test_weights_digest_is_hashed_once_and_remembered(ckpt_copy, tmp_path, monkeypatch):
     calls = []
-    real = keys.sha256_file
-    monkeypatch.setattr(keys, "sha256_file", lambda p: calls.append(p) or real(p))
+    real = digests.sha256_file
+    monkeypatch.setattr(digests, "sha256_file", lambda p: calls.append(p) or real(p))
     stat_cache = tmp_path / "digests.json"
     first = weights_digest(ckpt_copy, stat_cache=stat_cache)
     assert weights_digest(ckpt_copy, stat_cache=stat_cache) == first
     assert len(calls) == 1  # memoised in this process
-    keys._memo.clear()
+    digests._memo.clear()
     assert weights_digest(ckpt_copy, stat_cache=stat_cache) == first
     assert len(calls) == 1  # remembered by (path, size, mtime, inode)
-    keys._memo.clear()
+    digests._memo.clear()
     assert weights_digest(ckpt_copy) == first
     assert len(calls) == 2  # no stat cache: hashed again
 

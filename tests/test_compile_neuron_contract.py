@@ -136,7 +136,7 @@ def test_neuron_contract_arguments_environment_and_outputs(
 def test_neuron_contract_argv_has_no_flags_decoders_ignore(tmp_path):
     from pipeline.compile.backends.base import BucketJob
     from pipeline.compile.backends.neuron import export_command
-    from pipeline.plan.buckets import Bucket
+    from pipeline.contracts.bucket import Bucket
 
     job = BucketJob(
         tmp_path, Bucket(1, 128), 2, {}, "float32", (), "fp32", tmp_path / "out",

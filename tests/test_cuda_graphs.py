@@ -79,7 +79,7 @@ def test_recorded_decode_session_equals_direct_calls_on_the_compiled_demo(demo_b
     gives the same logits and tokens as direct calls (wired wrong — another cache, a capture
     after prefill whose warmup overwrites position 0, inputs not copied — it would not)."""
     from pipeline.runtime.decode_session import DecodeSession
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
     plain = DecodeSession(graphs)
@@ -103,7 +103,7 @@ def test_recorded_decode_session_equals_direct_calls_on_the_compiled_demo(demo_b
 
 def test_generate_stops_at_eos_like_a_step_by_step_loop(demo_buckets):
     from pipeline.runtime.decode_session import DecodeSession
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     session = DecodeSession(BucketGraphs(demo_buckets / "b2_s64"))
     prompts = [[5, 17, 42], [9, 9, 9, 9]]
@@ -120,7 +120,7 @@ def test_generate_fills_the_bucket_to_its_last_position(demo_buckets):
     """60 prompt tokens + 5 new in a 64-position bucket: the 5th token needs no cache slot.
     The greedy step (in-graph argmax fed back in place) equals a loop over decode logits."""
     from pipeline.runtime.decode_session import DecodeSession
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
     prompts = [list(range(3, 63)), [7, 8]]
@@ -145,7 +145,7 @@ def test_generate_fills_the_bucket_to_its_last_position(demo_buckets):
 
 
 def test_key_tiers_double_from_the_smallest_up_to_the_bucket():
-    from pipeline.runtime.graph_abi import key_tiers
+    from pipeline.contracts.graph_abi import key_tiers
 
     assert key_tiers(2048) == (64, 128, 256, 512, 1024, 2048)
     assert key_tiers(100) == (64, 100)
@@ -158,7 +158,7 @@ def test_decode_reads_only_the_key_positions_it_is_given(demo_buckets):
     """The compiled decode graph attends the first len(key_positions) cache positions: a
     prefix that holds every position gives the full bucket's logits; one that cuts the
     prompt off gives others (so the bound is real, not ignored)."""
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     graphs = BucketGraphs(demo_buckets / "b2_s64")
     tokens = torch.randint(3, 300, (2, 64), generator=torch.Generator().manual_seed(0))
@@ -180,7 +180,7 @@ def test_generate_moves_up_the_tiers_as_the_cache_fills(demo_buckets):
     """Each step attends the shortest tier holding every position so far; crossing tiers
     (16 → 32 → 64) changes no token, recorded (one graph per tier on shared inputs) or not."""
     from pipeline.runtime.decode_session import DecodeSession
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
     attended: list[int] = []
@@ -236,7 +236,7 @@ def test_slots_join_leave_and_skip_steps_each_equal_alone(demo_buckets, recorded
     one at a time while the other waits, freed and replaced; every row's tokens equal its
     prompt generated alone in a bucket of its own (fp32 on cpu)."""
     from pipeline.runtime.decode_session import DecodeSession, SessionSlots
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
     alone = DecodeSession(BucketGraphs(demo_buckets / "b1_s64", weights=graphs.weights))
@@ -269,7 +269,7 @@ def test_sampled_slots_replayed_as_graphs_equal_eager_ones(demo_buckets):
     the drawn token written back) gives the eager session's tokens for the same seeds,
     greedy rows beside it included, with rows held while others step."""
     from pipeline.runtime.decode_session import DecodeSession, SessionSlots
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
     from pipeline.runtime.sampling import SamplingParams
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
@@ -299,7 +299,7 @@ def test_the_recorded_sampler_draws_the_eager_tokens_of_both_kinds(demo_buckets)
     top-k/top-p filter or without), both recorded with the session: the tokens equal the
     eager draw's, a temperature-only row first and a filtered one joining it."""
     from pipeline.runtime.decode_session import DecodeSession, SessionSlots
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
     from pipeline.runtime.sampling import SamplingParams
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)

@@ -21,7 +21,8 @@ from pipeline.cli import app
 from pipeline.compile import keys
 from pipeline.compile.release import publish_release
 from pipeline.compile.runner import compile_release
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts import digests
+from pipeline.contracts.bucket import Bucket
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.releases import read_release
@@ -52,7 +53,7 @@ def _config(tmp_path: Path, ckpt: Path, name: str = "release.yaml", store: str =
 def _edit_config(ckpt: Path, **fields) -> None:
     cfg = ckpt / "config.json"
     cfg.write_text(json.dumps({**json.loads(cfg.read_text()), **fields}, indent=2))
-    keys._memo.clear()
+    digests._memo.clear()
 
 
 @pytest.fixture
@@ -181,7 +182,7 @@ def test_a_finetune_compiles_nothing_and_releases_its_own_weights(
         assert bucket.weights_key != ma.buckets[name].weights_key  # B's own weights
         weights = {f.path: f.sha256 for f in bucket.files}["weights.bin"]
         assert weights != {f.path: f.sha256 for f in ma.buckets[name].files}["weights.bin"]
-    assert mb.weights_digest == keys.weights_digest(ckpt_b) != ma.weights_digest
+    assert mb.weights_digest == digests.weights_digest(ckpt_b) != ma.weights_digest
     # Human output: per bucket, graph hit or compiled and weights hit or prepared.
     r = cli.invoke(app, ["compile", str(b), "--backend", "fake"])
     assert r.exit_code == 0 and "0 of 2 compiled" in r.stdout and "weights: hit" in r.stdout
@@ -202,7 +203,7 @@ def test_graph_fields_recompile_every_bucket_and_name_fields_none(fake_backend, 
     # a vocabulary change comes with a checkpoint of that vocabulary
     shutil.rmtree(ckpt_a)
     write_tiny_model(ckpt_a, vocab=256)
-    keys._memo.clear()
+    digests._memo.clear()
     assert _outcome(_run(config)) == {("compiled", "prepared")}
 
 
@@ -271,7 +272,7 @@ def test_weights_of_another_shape_are_refused_in_one_line(installed, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from pipeline.errors import IntegrityError
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     _, model_dir = installed
     bucket = next((model_dir / "current" / "buckets").iterdir())

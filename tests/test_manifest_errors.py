@@ -20,9 +20,9 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from pipeline.contracts.store_layout import channel_key, release_key
 from pipeline.errors import ManifestError, RuntimeMismatchError
 from pipeline.store import open_store
-from pipeline.store.layout import channel_key, release_key
 from pipeline.store.manifest import MANIFEST_SCHEMA
 from tests.release_factory import make_release, point_channel
 

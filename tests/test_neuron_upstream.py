@@ -21,7 +21,7 @@ import pytest
 
 from pipeline.compile.backends.base import BucketJob
 from pipeline.compile.backends.neuron import export_command, write_export_checkpoint
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 from pipeline.plan.checkpoint import NEURON_DECODERS
 from pipeline.runtime.neuron import GREEDY, NeuronSlots
 from pipeline.runtime.sampling import SamplingParams

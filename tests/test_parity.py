@@ -13,8 +13,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pipeline import backends
 from pipeline.cli import app
+from pipeline.contracts import backend_table
 from pipeline.parity import TOLERANCES, BucketParity, prompt_lengths, tolerance_dtype
 from pipeline.parity.check import _greedy_verdict
 from pipeline.parity.reference import _unpad
@@ -126,8 +126,8 @@ class PerturbedRunner:
 
 def test_perturbed_logits_fail_on_the_logit_error_alone(installed, monkeypatch):
     _, model_dir = installed
-    spec = replace(backends.BACKENDS["cpu"], parity=f"{__name__}:PerturbedRunner")
-    monkeypatch.setitem(backends.BACKENDS, "cpu", spec)
+    spec = replace(backend_table.BACKENDS["cpu"], parity=f"{__name__}:PerturbedRunner")
+    monkeypatch.setitem(backend_table.BACKENDS, "cpu", spec)
     r = parity(model_dir, "--bucket", "b2_s32", "--json")
     assert r.exit_code == 1, r.output
     (bucket,) = json.loads(r.stdout)["buckets"]

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 from pipeline.plan.checkpoint import read_shape
 from pipeline.plan.config import load_config
 from pipeline.plan.gqa import plan_gqa

@@ -21,6 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
+from pipeline.contracts.store_layout import blob_key, release_key
 from pipeline.errors import (
     IntegrityError,
     ManifestError,
@@ -39,7 +40,6 @@ from pipeline.install.pull import (
     pull_release,
 )
 from pipeline.store import open_store
-from pipeline.store.layout import blob_key, release_key
 from pipeline.store.manifest import MANIFEST_SCHEMA, parse_manifest
 from pipeline.store.publish import publish
 from pipeline.store.refs import FileRef, file_ref, hash_file

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.compile.shards import split
+from pipeline.contracts.store_layout import release_key
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
-from pipeline.store.layout import release_key
 from tests.config_factory import release_yaml
 
 REPO = Path(__file__).resolve().parent.parent

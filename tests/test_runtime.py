@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from pipeline.contracts.bucket import Bucket, select_bucket
+from pipeline.contracts.graph_abi import ABI_VERSION
 from pipeline.errors import InputError, IntegrityError, RuntimeMismatchError
-from pipeline.plan.buckets import Bucket, select_bucket
-from pipeline.runtime.graph_abi import ABI_VERSION
 
 GRID = [Bucket(b, s) for b in (1, 4, 8) for s in (128, 512, 2048)]
 
@@ -226,7 +226,7 @@ def test_weights_that_do_not_fit_the_graphs_are_one_clear_error(installed, tmp_p
     IntegrityError naming the missing weight, not a KeyError from deep in the loader."""
     from safetensors.torch import load_file, save_file
 
-    from pipeline.runtime.graph_abi import BucketGraphs
+    from pipeline.runtime.graph_loading import BucketGraphs
 
     _, model_dir = installed
     bucket = next((model_dir / "current" / "buckets").iterdir())
@@ -242,11 +242,12 @@ def test_weights_that_do_not_fit_the_graphs_are_one_clear_error(installed, tmp_p
 
 
 def test_cuda_kernels_for_another_gpu_architecture_are_refused(monkeypatch, tmp_path):
-    from pipeline.runtime import graph_abi
+    from pipeline.contracts.graph_abi import GraphSpec
+    from pipeline.runtime import graph_loading
 
-    spec = graph_abi.GraphSpec(1, 32, 2, 2, 8, 512, "bfloat16", "cuda", cuda_arch="sm_90")
-    monkeypatch.setattr(graph_abi, "cuda_arch", lambda device=None: "sm_89")
+    spec = GraphSpec(1, 32, 2, 2, 8, 512, "bfloat16", "cuda", cuda_arch="sm_90")
+    monkeypatch.setattr(graph_loading, "cuda_arch", lambda device=None: "sm_89")
     with pytest.raises(RuntimeMismatchError, match="compiled for sm_90 GPUs, this GPU is sm_89"):
-        graph_abi.check_runs_here(spec, tmp_path)
-    monkeypatch.setattr(graph_abi, "cuda_arch", lambda device=None: "sm_90")
-    graph_abi.check_runs_here(spec, tmp_path)  # same architecture: fine
+        graph_loading.check_runs_here(spec, tmp_path)
+    monkeypatch.setattr(graph_loading, "cuda_arch", lambda device=None: "sm_90")
+    graph_loading.check_runs_here(spec, tmp_path)  # same architecture: fine

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from pipeline.contracts.bucket import Bucket
 from pipeline.errors import InputError, RuntimeMismatchError
-from pipeline.plan.buckets import Bucket
 from tests.neuron_fakes import VERSIONS
 
 
@@ -31,8 +31,8 @@ def expected(prompt: list[int], max_new: int, eos: int | None, vocab: int = 512)
 
 
 def test_manifest_records_loadability_versions_and_shards_are_one_blob(neuron_release):
+    from pipeline.contracts.store_layout import blob_key
     from pipeline.store import open_store
-    from pipeline.store.layout import blob_key
 
     store_dir, model_dir = neuron_release
     manifest = json.loads((model_dir / "current" / "manifest.json").read_text())

@@ -17,10 +17,10 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from pipeline.contracts.store_layout import blob_key
 from pipeline.errors import NotFoundError, StoreError
 from pipeline.install.pull import pull_release, with_retries
 from pipeline.store import open_store
-from pipeline.store.layout import blob_key
 from pipeline.store.s3 import GETS_ENV, S3Store
 from pipeline.store.s3_ranges import RangeReader
 from tests.fault_proxy import FaultProxy

@@ -68,7 +68,7 @@ def test_params_are_checked_and_greedy_is_temperature_zero_or_top_k_one():
 
 @pytest.fixture(scope="module")
 def slots(installed):
-    from pipeline.plan.buckets import Bucket
+    from pipeline.contracts.bucket import Bucket
     from pipeline.runtime import BucketedModel
 
     model = BucketedModel.load(installed[1])

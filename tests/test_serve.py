@@ -488,7 +488,7 @@ class _Tokenized:
 def _service_with_tokenizer(ids: list[int], *, vocab: int = 100, max_seq: int = 32):
     from types import SimpleNamespace
 
-    from pipeline.plan.buckets import Bucket
+    from pipeline.contracts.bucket import Bucket
 
     calls: list[str] = []
 
@@ -546,7 +546,7 @@ def test_batched_rows_equal_single_rows_on_cpu(reference):
     """The claim under the server: a prompt's tokens in a shared batch of the largest bucket
     equal its tokens alone in its smallest bucket (fp32 on cpu)."""
     model = reference.model
-    from pipeline.plan.buckets import Bucket
+    from pipeline.contracts.bucket import Bucket
 
     cases = [([1, 17, 42, 99, 5], 12), ([3, 3, 3], 20), ([200, 100, 50, 25, 12, 6, 3, 1], 9)]
     for (p, n), (q, m) in zip(cases, cases[1:] + cases[:1], strict=True):
@@ -558,7 +558,7 @@ def test_batched_rows_equal_single_rows_on_cpu(reference):
 def test_session_on_tokens_streams_each_step_and_can_stop(reference):
     """The runtime hook under streaming: one call per step with each row's token, equal to
     the result; True stops the loop there."""
-    from pipeline.plan.buckets import Bucket
+    from pipeline.contracts.bucket import Bucket
 
     session = reference.model.session(Bucket(2, 64))
     prompts = [[1, 17, 42], [5, 6, 7, 8]]

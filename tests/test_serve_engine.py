@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import Closed, Engine, Failed, Finished, QueueFull, Request, Tokens
 from pipeline.server.metrics import Metrics
 from pipeline.server.placement import BucketSlots, Placement, place

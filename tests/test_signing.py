@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.contracts.store_layout import blob_key, channel_key, release_key, signatures_prefix
 from pipeline.errors import AlreadyExistsError, IntegrityError, VerificationError
 from pipeline.install.installed import open_installed
 from pipeline.install.pull import pull_release
 from pipeline.store import open_store
 from pipeline.store.channels import promote, read_channel
 from pipeline.store.gc import gc
-from pipeline.store.layout import blob_key, channel_key, release_key, signatures_prefix
 from pipeline.store.publish import sign_release
 from pipeline.store.signing import (
     KmsSigner,

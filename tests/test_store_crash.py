@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.contracts.store_layout import BLOBS_PREFIX, blob_key
 from pipeline.store import open_store
-from pipeline.store.layout import BLOBS_PREFIX, blob_key
 from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.publish import publish
 from pipeline.store.refs import FileRef

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.compile.release import publish_release
+from pipeline.contracts.store_layout import BLOBS_PREFIX, blob_key
 from pipeline.errors import NotFoundError
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
@@ -16,7 +17,6 @@ from pipeline.store.blobs import put_blob
 from pipeline.store.cache import read_cache_entry
 from pipeline.store.channels import promote
 from pipeline.store.gc import gc
-from pipeline.store.layout import BLOBS_PREFIX, blob_key
 from pipeline.store.releases import list_releases, read_release
 from tests.store_helpers import bucket_files, fake_compile, fake_key, write_release_config
 

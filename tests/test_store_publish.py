@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.compile.release import publish_release
+from pipeline.contracts.store_layout import blob_key, release_key
 from pipeline.errors import AlreadyExistsError, IntegrityError, MissingBucketsError
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
-from pipeline.store.layout import blob_key, release_key
 from pipeline.store.releases import read_release
 from tests.conftest import (
     FAKE_AWS_ACCESS_KEY_ID,

@@ -9,12 +9,12 @@ from typer.testing import CliRunner
 
 from pipeline.cli import app
 from pipeline.compile.release import publish_release
+from pipeline.contracts.store_layout import channel_key, release_key
 from pipeline.errors import ManifestError, NotFoundError
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.channels import promote, read_channel
 from pipeline.store.diff import diff_releases
-from pipeline.store.layout import channel_key, release_key
 from pipeline.store.releases import list_models, list_releases, read_release, resolve_release
 from tests.store_helpers import (
     bucket_files,

@@ -12,7 +12,8 @@ import pytest
 
 from tests.import_graph import cycles, edges, modules, package_edges, package_of
 
-STAGES = ("plan", "compile", "store", "install", "runtime", "server", "parity")
+STAGES = ("contracts", "plan", "compile", "store", "install", "runtime", "server", "parity")
+BELOW = {"pipeline.errors", "pipeline._files", "pipeline._front_door"}  # what contracts may use
 MAX_LINES = 500
 # Still to split, each at a seam its docstring names, and capped where it is so it cannot
 # grow: the pull and the S3 store wait for the pull issue's transport (issue 32), which
@@ -44,6 +45,21 @@ def test_the_serving_side_never_imports_the_compiler(stage):
         if package_of(a) == f"pipeline.{stage}" and package_of(b) == "pipeline.compile"
     )
     assert wrong == []
+
+
+def test_the_shared_contracts_import_no_stage():
+    used = {
+        b for a, targets in edges().items() if a.startswith("pipeline.contracts") for b in targets
+    }
+    assert {package_of(b) for b in used} - {"pipeline.contracts"} <= BELOW
+
+
+def test_the_stages_reach_shared_nouns_below_them_not_in_each_other():
+    packages = package_edges()
+    assert "pipeline.store" not in packages["pipeline.plan"]  # store constants: contracts
+    assert "pipeline.runtime" not in packages["pipeline.compile"]  # the graph contract
+    assert "pipeline.compile" not in packages["pipeline.parity"]  # digests, checkpoint layout
+    assert "pipeline.plan" not in packages["pipeline.server"]  # the bucket
 
 
 def test_no_class_name_is_defined_in_two_modules():

@@ -77,8 +77,8 @@ def release(
 ) -> None:
     """Compile every bucket (cache hits are free), then publish the release."""
     from pipeline.compile.release import publish_release
+    from pipeline.contracts.store_layout import check_version
     from pipeline.plan.config import load_config
-    from pipeline.store.layout import check_version
     from pipeline.store.signing import open_signer
 
     if version is not None:  # publish would refuse it, but only after the whole compile

@@ -8,7 +8,7 @@
 - ``backends``: cpu/cuda (AOTInductor) and neuron (optimum-cli) behind one interface
 - ``decoder``: the exportable Llama/Mistral/Qwen2 decoder behind the cpu/cuda graphs
 
-The graph contract the runtime relies on is ``pipeline.runtime.graph_abi``.
+The graph contract the runtime relies on is ``pipeline.contracts.graph_abi``.
 """
 
 from pipeline._front_door import front_door

@@ -2,14 +2,15 @@
 
 Why not the Hugging Face module: its caches are module buffers, so a prefill graph and a
 decode graph compiled separately could not share one cache. Here the caches are explicit
-inputs that both graphs update in place (see ``pipeline.runtime.graph_abi``).
+inputs that both graphs update in place (see ``pipeline.contracts.graph_abi``).
 
 Parameter names are Hugging Face's (``model.layers.0.self_attn.o_proj.weight`` ...), except
 that the projections that read the same input are fused, as vLLM and gpt-fast do: q/k/v into
 ``qkv_proj``, gate/up into ``gate_up_proj``. At batch 1 decode reads every weight once per
 token, and one wide matrix-vector product streams its weights closer to the memory bandwidth
 than three narrow ones (on an H200, fusing took a Llama-3.2-1B decode step from 1.22 ms to
-1.14 ms). ``fuse_checkpoint`` maps a Hugging Face state dict onto these names. Rotary
+1.14 ms). ``pipeline.contracts.checkpoint_layout.fuse_checkpoint`` maps a Hugging Face state dict
+onto these names. Rotary
 frequencies come from transformers' own rotary module, so every ``rope_scaling`` variant it
 knows (llama3, yarn, linear) matches exactly.
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.compile import decode_attention
+from pipeline.contracts.checkpoint_layout import fuse_checkpoint
 from pipeline.errors import UnsupportedArchitectureError
 from pipeline.plan.checkpoint import ARCHITECTURES
 
@@ -372,65 +374,6 @@ def aliases(decoder: Decoder) -> dict[str, str]:
         out.update({name: first[id(p)]} if id(p) in first else {})
         first.setdefault(id(p), name)
     return out
-
-
-# fused parameter -> the Hugging Face projections it stacks, in order (rows of the weight)
-FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
-
-
-def fuse_checkpoint(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """A Hugging Face state dict under this decoder's names: stacked projections fused.
-
-    Tensors are moved out of ``state`` as they are stacked, so at most one layer's
-    projections exist twice at a time. A projection whose siblings are missing is left
-    as it is, for the caller's name check to report."""
-    out = {}
-    for name in sorted(state):
-        if name not in state:
-            continue  # already stacked into a fused tensor
-        prefix, part, leaf = _split_projection(name)
-        fused = next((f for f, parts in FUSED.items() if part in parts), None)
-        if fused is None:
-            out[name] = state.pop(name)
-            continue
-        names = [f"{prefix}{p}.{leaf}" for p in FUSED[fused]]
-        if any(n not in state for n in names):
-            out[name] = state.pop(name)
-            continue
-        out[f"{prefix}{fused}.{leaf}"] = torch.cat([state.pop(n) for n in names])
-    return out
-
-
-def unfuse_checkpoint(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """The inverse of ``fuse_checkpoint``: Hugging Face's separate projections again.
-
-    The query rows of ``qkv_proj`` are as many as ``o_proj``'s input columns (after any GQA
-    padding too); key and value share the rest equally."""
-    out = {}
-    for name, tensor in state.items():
-        prefix, part, leaf = _split_projection(name)
-        if part not in FUSED:
-            out[name] = tensor
-            continue
-        if part == "mlp.gate_up_proj":
-            sizes = [tensor.shape[0] // 2] * 2
-        else:
-            q = state[f"{prefix}self_attn.o_proj.weight"].shape[1]
-            sizes = [q, *[(tensor.shape[0] - q) // 2] * 2]
-        for sub, piece in zip(FUSED[part], tensor.split(sizes), strict=True):
-            out[f"{prefix}{sub}.{leaf}"] = piece
-    return out
-
-
-def _split_projection(name: str) -> tuple[str, str, str]:
-    # "model.layers.3.self_attn.q_proj.weight" -> ("model.layers.3.", "self_attn.q_proj", "weight")
-    parts = name.split(".")
-    if len(parts) < 3:
-        return "", "", name
-    return ".".join(parts[:-3]) + "." if len(parts) > 3 else "", ".".join(parts[-3:-1]), parts[-1]
 
 
 def from_checkpoint(model_dir: Any, graph: type = Decoder, dtype: torch.dtype = torch.float32):

@@ -12,73 +12,22 @@ optional stat cache (path, size, mtime: the same shortcut ``git status`` takes).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
-from pipeline._files import atomic_write_text, sha256_file
-from pipeline.errors import CheckpointError
-from pipeline.plan.buckets import Bucket, prefill_lengths
+from pipeline.contracts.bucket import Bucket, prefill_lengths
+from pipeline.contracts.digests import (
+    digest,
+    model_config_digest,
+    read_model_config,
+    weights_digest,
+)
 from pipeline.plan.config import Release
 from pipeline.plan.report import release_gqa_plan
 
 # Bump when what a backend writes for the same inputs changes (graph ABI, file layout).
 # 3: graphs and prepared weights cached apart; 4: graph ABI 3; 5: graph ABI 4 (slots)
 FORMAT_VERSION = 5
-# Files that hold weights, in every layout transformers writes.
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-
-_memo: dict[tuple, str] = {}
-
-
-def weights_digest(checkpoint: Path, *, stat_cache: Path | None = None) -> str:
-    """sha256 over the checkpoint's weight files (names and contents), sorted by name."""
-    files = _weight_files(Path(checkpoint))
-    stats = tuple((f.name, *_stat(f)) for f in files)
-    memo_key = (str(Path(checkpoint).resolve()), stats)
-    if memo_key in _memo:
-        return _memo[memo_key]
-    known = _read_stat_cache(stat_cache)
-    h = hashlib.sha256()
-    fresh = {}
-    for f, st in zip(files, stats, strict=True):
-        entry_key = f"{f.resolve()}|{st[1]}|{st[2]}|{st[3]}"
-        file_digest = known.get(entry_key) or sha256_file(f)
-        fresh[entry_key] = file_digest
-        h.update(f"{f.name}\0{file_digest}\n".encode())
-    if stat_cache is not None and fresh.keys() - known.keys():
-        atomic_write_text(stat_cache, json.dumps({**known, **fresh}, indent=1))
-    _memo[memo_key] = h.hexdigest()
-    return _memo[memo_key]
-
-
-def _weight_files(checkpoint: Path) -> list[Path]:
-    files = sorted({f for p in WEIGHT_PATTERNS for f in checkpoint.glob(p) if f.is_file()})
-    if not files:
-        raise CheckpointError(
-            str(checkpoint),
-            "no weight files (*.safetensors, *.bin)",
-            "point model.checkpoint at a checkpoint with weights",
-        )
-    return files
-
-
-def _stat(f: Path) -> tuple[int, int, int]:
-    st = f.stat()
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
-def _read_stat_cache(path: Path | None) -> dict[str, str]:
-    if path is None:
-        return {}
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}  # a damaged cache costs one re-hash, never a wrong key
-
-
 # config.json fields that never reach the compiled graphs (a deny-list, on purpose: a field
 # we do not know is treated as one the graphs bake in, so an unknown field costs at worst a
 # needless recompile, never a graph paired with an architecture it was not built for).
@@ -104,22 +53,6 @@ NON_GRAPH_FIELDS = frozenset(
         "pad_token_id",
     }
 )
-
-
-def read_model_config(checkpoint: Path) -> dict[str, Any]:
-    path = Path(checkpoint) / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(str(path), f"unreadable: {e}", None) from None
-    if not isinstance(data, dict):
-        raise CheckpointError(str(path), "not a JSON object", None)
-    return data
-
-
-def model_config_digest(checkpoint: Path) -> str:
-    """sha256 of config.json's content (canonical JSON: whitespace and key order ignored)."""
-    return digest(read_model_config(checkpoint))
 
 
 def architecture(checkpoint: Path) -> dict[str, Any]:
@@ -227,9 +160,3 @@ def weights_key(
 ) -> str:
     """The key of a release's prepared weights: sha256 of ``weights_key_material``."""
     return digest(weights_key_material(release, backend, weights=weights, versions=versions))
-
-
-def digest(data: Any) -> str:
-    """sha256 of canonical JSON (sorted keys, no whitespace)."""
-    text = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()

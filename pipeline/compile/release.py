@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import __version__
-from pipeline.backends import AUTO_ORDER
+from pipeline.contracts.backend_table import AUTO_ORDER
+from pipeline.contracts.store_layout import check_version
 from pipeline.errors import InputError, MissingBucketsError, PipelineError
 from pipeline.plan.config import Release
 from pipeline.store import open_store
 from pipeline.store._redact import scrub
 from pipeline.store.base import Store
 from pipeline.store.cache import CacheEntry, read_cache_entry
-from pipeline.store.layout import check_version
 from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.publish import (
     DEFAULT_JOBS,

@@ -32,15 +32,10 @@ from pipeline._files import atomic_write_text
 from pipeline.compile import shards
 from pipeline.compile.backends import backend_path, get_backend, resolve_backend
 from pipeline.compile.backends.base import BucketJob
-from pipeline.compile.keys import (
-    digest,
-    key_material,
-    model_config_digest,
-    weights_digest,
-    weights_key_material,
-)
+from pipeline.compile.keys import key_material, weights_key_material
+from pipeline.contracts.bucket import Bucket
+from pipeline.contracts.digests import digest, model_config_digest, weights_digest
 from pipeline.errors import InputError
-from pipeline.plan.buckets import Bucket
 from pipeline.plan.config import Release
 from pipeline.plan.report import release_gqa_plan
 from pipeline.store import open_store

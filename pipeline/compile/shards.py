@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
+from pipeline.contracts.bucket import Bucket
 from pipeline.errors import InputError
-from pipeline.plan.buckets import Bucket
 
 
 def cost(bucket: Bucket) -> int:

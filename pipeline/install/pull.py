@@ -48,6 +48,7 @@ from typing import Literal, TypeVar
 
 from pipeline._files import FILE_MODE, atomic_write_bytes, sha256_file, user_visible
 from pipeline._progress import ByteProgress, byte_progress
+from pipeline.contracts.store_layout import blob_key
 from pipeline.errors import IntegrityError, PipelineError, StoreError
 from pipeline.install.installed import (
     CURRENT,
@@ -57,7 +58,6 @@ from pipeline.install.installed import (
     release_files,
 )
 from pipeline.store.base import Store
-from pipeline.store.layout import blob_key
 from pipeline.store.refs import PART_SIZE, FileRef
 from pipeline.store.signing import Trust
 from pipeline.store.verified import read_verified

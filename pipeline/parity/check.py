@@ -21,10 +21,11 @@ The reference's weights come from one of two places:
   against the manifest's sha256) with the GQA head padding undone, upcast to fp32. This checks
   the compiled graphs and the runtime on exactly the weights they run with.
 
-A release runs through its backend's parity runner (the backend table, ``pipeline.backends``);
-a neuron release needs the Neuron runtime and says so plainly where it is absent. Neuron
-exports sample on the device and return no logits, so for them only the free-running greedy
-tokens are compared (``_check_bucket_tokens``), and the report says so.
+A release runs through its backend's parity target (the backend table,
+``pipeline.contracts.backend_table``); a neuron release needs the Neuron runtime and says so
+plainly where it is absent. Neuron exports sample on the device and return no logits, so for
+them only the free-running greedy tokens are compared (``_check_bucket_tokens``), and the
+report says so.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import backends
 from pipeline._files import atomic_write_text
+from pipeline.contracts import backend_table
 from pipeline.errors import InputError
 from pipeline.install.installed import open_installed, verify_files
 from pipeline.parity.reference import Reference, reference_device
@@ -214,7 +215,7 @@ def check_release(
     release_dir, manifest = installed.dir, installed.manifest
     names = _bucket_names(manifest, buckets)
     device = reference_device(reference)
-    runner_cls = backends.role(manifest.backend, "parity", installed.what)
+    runner_cls = backend_table.role(manifest.backend, "parity", installed.what)
     verify_files(installed, "sha256", names)
     runner = runner_cls(installed, cuda_graphs=cuda_graphs)
     if getattr(runner, "needs_checkpoint", False) and checkpoint is None:

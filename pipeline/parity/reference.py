@@ -8,9 +8,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from pipeline.contracts.graph_abi import WEIGHTS_FILE
 from pipeline.errors import BackendUnavailableError, InputError, IntegrityError
 from pipeline.install.installed import BUCKETS
-from pipeline.runtime.graph_abi import WEIGHTS_FILE
 from pipeline.store.manifest import Manifest
 
 
@@ -91,7 +91,7 @@ def check_checkpoint(
 ) -> None:
     """The checkpoint must be the one the release was compiled from: same weights digest,
     same config.json (as JSON)."""
-    from pipeline.compile.keys import digest, model_config_digest, weights_digest
+    from pipeline.contracts.digests import digest, model_config_digest, weights_digest
 
     found = weights_digest(checkpoint)
     if found != manifest.weights_digest:
@@ -120,7 +120,7 @@ def release_state_dict(release_dir: Path, manifest: Manifest) -> dict[str, Any]:
     padding undone (each original head taken from the first slot that holds it)."""
     from safetensors.torch import load_file
 
-    from pipeline.compile.decoder import unfuse_checkpoint
+    from pipeline.contracts.checkpoint_layout import unfuse_checkpoint
     from pipeline.plan.checkpoint import read_shape
     from pipeline.plan.gqa import GqaPlan
 

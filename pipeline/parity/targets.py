@@ -1,14 +1,14 @@
 """The release under test, per backend: how parity runs one bucket of it step by step (each
-named in the backend table, ``pipeline.backends``). They wrap the serving runtime's own
-runners, so parity checks what the pods run."""
+named in the backend table, ``pipeline.contracts.backend_table``). They wrap the serving
+runtime's own runners, so parity checks what the pods run."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from pipeline.contracts.bucket import Bucket
 from pipeline.install.installed import InstalledRelease
-from pipeline.plan.buckets import Bucket
 
 
 class BucketSession(Protocol):

@@ -8,7 +8,7 @@ from pipeline._front_door import front_door
 __all__, __getattr__ = front_door(
     __name__,
     {
-        "Bucket": "buckets",
+        "BucketGrid": "buckets",
         "Release": "config",
         "load_config": "config",
         "load_grid": "config",

@@ -1,44 +1,15 @@
-"""Static-shape buckets: (batch size, sequence length) pairs, each compiled to its own graph."""
+"""Bucket grids (`buckets/*.yaml`): every batch size × every sequence length, and writing one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from pipeline.errors import InputError
+from pipeline.contracts.bucket import Bucket
 
 PositiveInt = Annotated[int, Field(strict=True, gt=0)]
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    batch: int
-    seq: int
-
-    @property
-    def name(self) -> str:
-        return f"b{self.batch}_s{self.seq}"
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.seq
-
-    @classmethod
-    def parse(cls, name: str) -> Bucket:
-        """Inverse of ``name``: ``b4_s512`` -> Bucket(4, 512)."""
-        try:
-            b, s = name.split("_")
-            if not (b.startswith("b") and s.startswith("s")):
-                raise ValueError
-            return cls(int(b[1:]), int(s[1:]))
-        except ValueError:
-            raise InputError(
-                name, "not a bucket name", "use b<batch>_s<seq>, e.g. b1_s128"
-            ) from None
 
 
 class BucketGrid(BaseModel):
@@ -63,28 +34,6 @@ class BucketGrid(BaseModel):
 
     def buckets(self) -> list[Bucket]:
         return [Bucket(b, s) for b in self.batch_sizes for s in self.sequence_lengths]
-
-
-def prefill_lengths(bucket: Bucket, configured: Sequence[int] = ()) -> tuple[int, ...]:
-    """The prompt lengths ``bucket`` has prefill graphs for: the configured ones below its
-    sequence length, and that length itself."""
-    return (*sorted({n for n in configured if n < bucket.seq}), bucket.seq)
-
-
-def select_bucket(buckets: Iterable[Bucket], batch: int, seq: int) -> Bucket | None:
-    """The bucket holding (batch, seq) with the fewest padded tokens, or None.
-
-    Ties go to the smaller sequence length, then the smaller batch (cheaper decode).
-    """
-    best: Bucket | None = None
-    for b in buckets:
-        if (
-            b.batch >= batch
-            and b.seq >= seq
-            and (best is None or (b.tokens, b.seq, b.batch) < (best.tokens, best.seq, best.batch))
-        ):
-            best = b
-    return best
 
 
 def write_grid(grid: BucketGrid, path: Path, comment: str | None = None) -> None:

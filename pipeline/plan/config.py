@@ -12,13 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline import backends
 from pipeline._yaml import Located, load_yaml
+from pipeline.contracts import backend_table
+from pipeline.contracts.bucket import Bucket
+from pipeline.contracts.store_layout import DEFAULT_STORE, NAME_PATTERN
 from pipeline.errors import ConfigError
-from pipeline.plan.buckets import Bucket, BucketGrid, PositiveInt
+from pipeline.plan.buckets import BucketGrid, PositiveInt
 from pipeline.plan.instances import INSTANCES
-from pipeline.store import DEFAULT_STORE
-from pipeline.store.layout import NAME_PATTERN
 
 GqaStrategy = Literal["auto", "replicate_to_tp_degree", "convert_to_mha"]
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -53,8 +53,10 @@ class TargetSection(_Section):
     @field_validator("backend")
     @classmethod
     def _known_backend(cls, v: str) -> str:
-        if v != "auto" and v not in backends.BACKENDS:
-            raise ValueError(f"unknown backend '{v}'; allowed: auto, {', '.join(backends.names())}")
+        if v != "auto" and v not in backend_table.BACKENDS:
+            raise ValueError(
+                f"unknown backend '{v}'; allowed: auto, {', '.join(backend_table.names())}"
+            )
         return v
 
     @field_validator("instance_type")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.contracts.bucket import Bucket, prefill_lengths
 from pipeline.errors import PlanError
-from pipeline.plan.buckets import Bucket, prefill_lengths
 from pipeline.plan.checkpoint import ModelShape, read_shape
 from pipeline.plan.config import DTYPE_BYTES, Release
 from pipeline.plan.gqa import GqaPlan, plan_gqa

@@ -1,4 +1,4 @@
-"""The runner of cpu and cuda releases: AOTInductor packages (``pipeline.runtime.graph_abi``).
+"""The runner of cpu and cuda releases: AOTInductor packages (``pipeline.contracts.graph_abi``).
 
 All buckets of a release share one copy of the weights in memory (their weights.safetensors
 files are the same blob). Each bucket runs in a ``DecodeSession`` (its own KV caches; on cuda,
@@ -11,16 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pipeline.contracts.bucket import Bucket
+from pipeline.contracts.graph_abi import WEIGHTS_FILE, GraphSpec
 from pipeline.errors import RuntimeMismatchError
 from pipeline.install.installed import InstalledRelease
-from pipeline.plan.buckets import Bucket
-from pipeline.runtime.graph_abi import (
-    WEIGHTS_FILE,
-    BucketGraphs,
-    GraphSpec,
-    check_runs_here,
-    load_weights,
-)
+from pipeline.runtime.graph_loading import BucketGraphs, check_runs_here, load_weights
 from pipeline.store.manifest import Manifest
 
 if TYPE_CHECKING:

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline.contracts.bucket import Bucket, select_bucket
 from pipeline.errors import InputError
 from pipeline.install.installed import InstalledRelease, open_installed, reading
-from pipeline.plan.buckets import Bucket, select_bucket
 from pipeline.runtime.runners import Runner, Session, Slots, open_runner
 from pipeline.store.signing import Trust
 

@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from pipeline.runtime.cuda_graphs import Recorder, StaticGraph
-from pipeline.runtime.graph_abi import BucketGraphs
+from pipeline.runtime.graph_loading import BucketGraphs
 from pipeline.runtime.pending import DeviceTokens, Pending, to_device
 from pipeline.runtime.sampler_graph import RecordedSampler
 from pipeline.runtime.sampling import Draws, SamplingParams, SlotSampling, draw

@@ -41,9 +41,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.contracts.bucket import Bucket
 from pipeline.errors import InputError, PipelineError, RuntimeMismatchError
 from pipeline.install.installed import InstalledRelease
-from pipeline.plan.buckets import Bucket
 from pipeline.plan.checkpoint import read_config, read_shape
 from pipeline.plan.config import DTYPE_BYTES
 from pipeline.plan.gqa import GqaPlan

@@ -1,7 +1,8 @@
 """What a backend provides to serve its releases: a ``Runner`` that loads buckets and runs them.
 
 ``BucketedModel`` (and through it parity and ``serve``) knows only this interface; which
-runner serves a backend is the backend table's ``runtime`` entry (``pipeline.backends``).
+runner serves a backend is the backend table's ``runtime`` entry
+(``pipeline.contracts.backend_table``).
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from pipeline import backends
+from pipeline.contracts import backend_table
+from pipeline.contracts.bucket import Bucket
 from pipeline.errors import RuntimeMismatchError
 from pipeline.install.installed import InstalledRelease
-from pipeline.plan.buckets import Bucket
 
 
 class Session(Protocol):
@@ -101,4 +102,4 @@ def open_runner(installed: InstalledRelease, backend: str = "auto", **options: A
             f"was compiled for '{manifest.backend}', not '{backend}'",
             "compiled graphs run only on the target they were compiled for",
         )
-    return backends.role(manifest.backend, "runtime", installed.what)(installed, **options)
+    return backend_table.role(manifest.backend, "runtime", installed.what)(installed, **options)

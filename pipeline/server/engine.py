@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 from pipeline.runtime.pending import Pending, Ready
 from pipeline.runtime.sampling import GREEDY, SamplingParams
 from pipeline.server.placement import BucketSlots, place

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import (
     Closed,
     EngineFailed,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import Engine, Hooks
 
 

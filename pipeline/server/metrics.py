@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 
 # Seconds: tiny cpu models answer in milliseconds, big ones on a slow device in minutes.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 
 BATCHING = ("iteration", "static")
 

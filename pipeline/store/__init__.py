@@ -7,6 +7,7 @@ of supported schemes cannot drift from what is implemented.
 from __future__ import annotations
 
 from pipeline._front_door import front_door
+from pipeline.contracts.store_layout import DEFAULT_STORE
 from pipeline.errors import InputError
 from pipeline.store.base import Store
 from pipeline.store.local import LocalStore
@@ -20,8 +21,6 @@ def _s3(url: str, **kw) -> Store:
 
 
 REGISTRY = {"file": LocalStore.from_url, "s3": _s3}
-# Where releases go and come from when neither a config nor --store names a store.
-DEFAULT_STORE = "artifacts"
 
 
 def open_store(url: str | None = None, **kw) -> Store:

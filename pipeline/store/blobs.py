@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.contracts.store_layout import blob_key
 from pipeline.store.base import Store
-from pipeline.store.layout import blob_key
 from pipeline.store.refs import PART_SIZE, FileRef, file_ref, hash_file
 
 

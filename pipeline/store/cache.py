@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.contracts.store_layout import cache_key
 from pipeline.errors import StoreError
 from pipeline.store.base import Store
 from pipeline.store.blobs import get_blob
-from pipeline.store.layout import cache_key
 from pipeline.store.refs import FileRef
 
 CACHE_SCHEMA = 2  # 2: kind (graphs | weights)

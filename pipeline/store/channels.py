@@ -15,13 +15,13 @@ from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipeline.contracts.store_layout import channel_key, channels_prefix
 from pipeline.errors import (
     AlreadyExistsError,
     ConflictError,
     ManifestError,
 )
 from pipeline.store.base import Store
-from pipeline.store.layout import channel_key, channels_prefix
 from pipeline.store.manifest import first_problem, json_object, read_release_bytes
 from pipeline.store.signing import Trust, manifest_digest, verify_in_store
 

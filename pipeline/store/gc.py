@@ -26,11 +26,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pipeline.contracts.store_layout import (
+    BLOBS_PREFIX,
+    CACHE_PREFIX,
+    release_key,
+    signatures_prefix,
+)
 from pipeline.errors import AlreadyExistsError, InputError, NotFoundError
 from pipeline.store.base import ObjectInfo, Store
 from pipeline.store.cache import CacheEntry, read_cache_entry
 from pipeline.store.channels import list_channels
-from pipeline.store.layout import BLOBS_PREFIX, CACHE_PREFIX, release_key, signatures_prefix
 from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.releases import READ_CONCURRENCY, list_models, list_releases
 

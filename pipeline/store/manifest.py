@@ -13,9 +13,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.contracts.store_layout import release_key
 from pipeline.errors import ManifestError, NotFoundError, RuntimeMismatchError
 from pipeline.store.base import Store
-from pipeline.store.layout import release_key
 from pipeline.store.refs import FileRef
 
 # 2: FileRef.part_size and FileRef.parts (per-part sha256, for verified parallel pulls), and

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pipeline.contracts.store_layout import blob_key, release_key
 from pipeline.errors import (
     AlreadyExistsError,
     InputError,
@@ -32,7 +33,6 @@ from pipeline.errors import (
     NotFoundError,
 )
 from pipeline.store.base import Store
-from pipeline.store.layout import blob_key, release_key
 from pipeline.store.manifest import Manifest, parse_manifest
 from pipeline.store.refs import FileRef, file_ref
 from pipeline.store.signing import (

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from pipeline.contracts.store_layout import MODELS_PREFIX, releases_prefix
 from pipeline.errors import InputError, NotFoundError
 from pipeline.store.base import Store
 from pipeline.store.channels import Channel, list_channels, read_channel
-from pipeline.store.layout import MODELS_PREFIX, releases_prefix
 from pipeline.store.manifest import Manifest, read_release_bytes
 
 READ_CONCURRENCY = 16

@@ -28,6 +28,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipeline.contracts.store_layout import signature_key, signatures_prefix
 from pipeline.errors import (
     InputError,
     ManifestError,
@@ -36,7 +37,6 @@ from pipeline.errors import (
     VerificationError,
 )
 from pipeline.store.base import Store
-from pipeline.store.layout import signature_key, signatures_prefix
 from pipeline.store.manifest import first_problem, json_object
 
 SIGNATURE_SCHEMA = 1

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.contracts.store_layout import release_key
 from pipeline.errors import VerificationError
 from pipeline.store.base import Store
-from pipeline.store.layout import release_key
 from pipeline.store.manifest import Manifest, parse_release, read_manifest_bytes
 from pipeline.store.releases import resolve_pointer
 from pipeline.store.signing import (

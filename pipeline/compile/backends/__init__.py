@@ -1,13 +1,13 @@
-"""Compile backends by name, from the one backend table (``pipeline.backends``).
+"""Compile backends by name, from the one backend table (``pipeline.contracts.backend_table``).
 
 A worker process rebuilds any backend from its import path (tests register their own).
 """
 
 from __future__ import annotations
 
-from pipeline import backends as table
-from pipeline.backends import AUTO_ORDER
 from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
+from pipeline.contracts import backend_table as table
+from pipeline.contracts.backend_table import AUTO_ORDER
 from pipeline.errors import BackendUnavailableError
 
 _instances: dict[str, Backend] = {}

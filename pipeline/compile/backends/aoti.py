@@ -4,7 +4,7 @@ Per bucket: export ``decoder.Prefill`` at each of the bucket's prefill lengths a
 ``decoder.Decode``, with static shapes (but for the number of cache positions decode attends,
 a dynamic size), compile each with ``aoti_compile_and_package`` into ``prefill.pt2`` (the
 bucket's length), ``prefill_<T>.pt2`` (shorter prefill lengths) and ``decode.pt2``, and
-describe them in ``graph.json`` (``pipeline.runtime.graph_abi``). Weights stay out of the packages
+describe them in ``graph.json`` (``pipeline.contracts.graph_abi``). Weights stay out of the packages
 (``package_constants_in_so=False``): ``prepare`` writes them once per release into
 ``weights.safetensors``, shared by every bucket and cached under the weights key, and export
 runs on uninitialised tensors, so the packages do not depend on the weights
@@ -31,10 +31,9 @@ from typing import Any
 
 from pipeline.compile.backends import pdl, tuning
 from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
-from pipeline.errors import CheckpointError, InputError
-from pipeline.plan.buckets import prefill_lengths
-from pipeline.plan.checkpoint import read_checkpoint
-from pipeline.runtime.graph_abi import (
+from pipeline.contracts.bucket import prefill_lengths
+from pipeline.contracts.checkpoint_layout import fuse_checkpoint
+from pipeline.contracts.graph_abi import (
     DECODE_FILE,
     GRAPH_FILE,
     WEIGHTS_FILE,
@@ -42,6 +41,8 @@ from pipeline.runtime.graph_abi import (
     cuda_arch,
     prefill_file,
 )
+from pipeline.errors import CheckpointError, InputError
+from pipeline.plan.checkpoint import read_checkpoint
 
 FLAG_PREFIX = "inductor."
 # Options every package needs (part of the cache key through key_options).
@@ -135,7 +136,7 @@ class AotiBackend(Backend):
             model = dec.Decoder(cfg)
         tied = dec.aliases(model)
         wanted = set(model.state_dict()) - set(tied) - {"rope_inv_freq"}
-        state = dec.fuse_checkpoint(read_checkpoint(model_dir))
+        state = fuse_checkpoint(read_checkpoint(model_dir))
         missing = sorted(wanted - set(state))
         unexpected = sorted(set(state) - wanted - set(tied))
         if missing or unexpected:

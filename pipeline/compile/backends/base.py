@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.plan.buckets import Bucket
+from pipeline.contracts.bucket import Bucket
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class BucketJob:
     out_dir: Path  # empty directory for this bucket's files
     shared: dict[str, Path] = field(default_factory=dict)  # files from prepare(), by name
     instance_type: str = ""  # the config's target.instance_type (neuron: the compile target)
-    # the grid's prefill lengths (``plan.buckets.prefill_lengths`` picks a bucket's)
+    # the grid's prefill lengths (``contracts.bucket.prefill_lengths`` picks a bucket's)
     prefill_lengths: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:

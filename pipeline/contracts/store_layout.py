@@ -68,6 +68,8 @@ def cache_key(key: str) -> str:
     return f"cache/{key}.json"
 
 
+# Where releases go and come from when neither a config nor --store names a store.
+DEFAULT_STORE = "artifacts"
 MODELS_PREFIX = "models/"
 CACHE_PREFIX = "cache/"
 BLOBS_PREFIX = "blobs/sha256/"

@@ -1,0 +1,59 @@
+"""A bucket: one compiled shape, batch × sequence length, named ``b<batch>_s<seq>``; the
+noun every stage shares (plan fits them, compile builds them, the manifest lists them, the
+runtime and the server place requests in them)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from pipeline.errors import InputError
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    batch: int
+    seq: int
+
+    @property
+    def name(self) -> str:
+        return f"b{self.batch}_s{self.seq}"
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @classmethod
+    def parse(cls, name: str) -> Bucket:
+        """Inverse of ``name``: ``b4_s512`` -> Bucket(4, 512)."""
+        try:
+            b, s = name.split("_")
+            if not (b.startswith("b") and s.startswith("s")):
+                raise ValueError
+            return cls(int(b[1:]), int(s[1:]))
+        except ValueError:
+            raise InputError(
+                name, "not a bucket name", "use b<batch>_s<seq>, e.g. b1_s128"
+            ) from None
+
+
+def prefill_lengths(bucket: Bucket, configured: Sequence[int] = ()) -> tuple[int, ...]:
+    """The prompt lengths ``bucket`` has prefill graphs for: the configured ones below its
+    sequence length, and that length itself."""
+    return (*sorted({n for n in configured if n < bucket.seq}), bucket.seq)
+
+
+def select_bucket(buckets: Iterable[Bucket], batch: int, seq: int) -> Bucket | None:
+    """The bucket holding (batch, seq) with the fewest padded tokens, or None.
+
+    Ties go to the smaller sequence length, then the smaller batch (cheaper decode).
+    """
+    best: Bucket | None = None
+    for b in buckets:
+        if (
+            b.batch >= batch
+            and b.seq >= seq
+            and (best is None or (b.tokens, b.seq, b.batch) < (best.tokens, best.seq, best.batch))
+        ):
+            best = b
+    return best
