@@ -275,7 +275,7 @@ def test_sigkilled_compile_leaves_no_worker_or_compiler(config, tmp_path):
 
 
 def test_ctrl_c_under_load_stops_all_workers_within_one_grace_period(config, tmp_path, busy_cores):
-    from pipeline.compile.runner import KILL_GRACE_S
+    from pipeline.compile.workers import KILL_GRACE_S
 
     proc, trace, marker = _start_compilers(config, tmp_path)
     try:

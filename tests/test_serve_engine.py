@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from pipeline.contracts.bucket import Bucket
-from pipeline.server.engine import Closed, Engine, Failed, Finished, QueueFull, Request, Tokens
+from pipeline.server.engine import Engine
+from pipeline.server.jobs import Closed, Failed, Finished, QueueFull, Request, Tokens
 from pipeline.server.metrics import Metrics
 from pipeline.server.placement import BucketSlots, Placement, place
 from pipeline.server.tokenizer import TextStream
@@ -1074,7 +1075,8 @@ def test_a_free_that_raises_still_ends_the_request_and_the_engine_goes_on():
 def test_steps_failing_in_a_row_stop_the_engine_and_fail_everything_it_holds():
     """After FAIL_AFTER failed steps in a row the device is taken as lost: run() raises
     EngineFailed, and every running and queued request gets Failed (none hangs)."""
-    from pipeline.server.engine import FAIL_AFTER, EngineFailed
+    from pipeline.server.engine import FAIL_AFTER
+    from pipeline.server.jobs import EngineFailed
 
     m = FakeModel()
     b = Bucket(1, 32)

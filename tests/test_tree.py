@@ -20,8 +20,6 @@ MAX_LINES = 500
 # reshapes both.
 NOT_YET_SPLIT = {
     "pipeline.install.pull": 714,
-    "pipeline.compile.runner": 634,
-    "pipeline.server.engine": 546,
     "pipeline.store.s3": 522,
     "pipeline.runtime.decode_session": 510,
     "pipeline.runtime.neuron": 505,

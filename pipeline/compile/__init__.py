@@ -3,6 +3,8 @@
 - ``keys``: cache keys (no torch), also used by ``publish``
 - ``shards``: deterministic, cost-balanced splits of the grid
 - ``runner``: cache lookups, parallel worker processes, uploads (``compile_release``)
+- ``report``: what a run reports, per bucket and for the weights (``CompileReport``)
+- ``workers``: the worker processes, each in a group of its own, and how they are killed
 - ``release``: the compiled buckets as a release, published (``publish_release``)
 - ``worker``: the child-process entry point, one bucket per process
 - ``backends``: cpu/cuda (AOTInductor) and neuron (optimum-cli) behind one interface
@@ -17,7 +19,7 @@ __all__, __getattr__ = front_door(
     __name__,
     {
         "compile_release": "runner",
-        "CompileReport": "runner",
+        "CompileReport": "report",
         "publish_release": "release",
         "pad_checkpoint": "gqa_pad",
         "shard": "shards",

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipeline._progress import interactive
-from pipeline.compile.runner import BucketResult, CompileReport
+from pipeline.compile.report import BucketResult, CompileReport
 
 
 def describe(r: BucketResult) -> str:

@@ -14,17 +14,14 @@ checkpoint of an architecture already compiled only prepares its weights.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +30,8 @@ from pipeline.compile import shards
 from pipeline.compile.backends import backend_path, get_backend, resolve_backend
 from pipeline.compile.backends.base import BucketJob
 from pipeline.compile.keys import key_material, weights_key_material
-from pipeline.contracts.bucket import Bucket
+from pipeline.compile.report import BucketResult, CompileReport, WeightsResult
+from pipeline.compile.workers import POLL_S, kill_workers, last_error, spawn_worker
 from pipeline.contracts.digests import digest, model_config_digest, weights_digest
 from pipeline.errors import InputError
 from pipeline.plan.config import Release
@@ -46,132 +44,9 @@ from pipeline.store.cache import write_cache_entry as _write_entry
 from pipeline.store.refs import FileRef
 
 LOG_FILE = "compile.log"  # each bucket's log; its blob is named in the entry's meta["log"]
-POLL_S = 0.05
 LOOKUP_THREADS = 16
-KILL_GRACE_S = 3.0
 
 Event = Callable[[str, "BucketResult"], None]  # ("start" | "done", result)
-
-
-# What became of a bucket's graphs and of the release's prepared weights, as reported.
-GRAPH_WORDS = {"cached": "hit"}  # others as they are: compiled | failed | timeout | ...
-WEIGHTS_WORDS = {"cached": "hit"}  # prepared | in-graphs | failed | pending
-
-
-@dataclass
-class WeightsResult:
-    """The release's prepared weights: one set, bound by every bucket."""
-
-    key: str
-    # cached | prepared | failed | pending | in-graphs (the backend's graphs hold them)
-    status: str = "pending"
-    seconds: float = 0.0
-    error: str | None = None
-    files: list[FileRef] = field(default_factory=list)
-    material: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("cached", "prepared", "in-graphs")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "status": WEIGHTS_WORDS.get(self.status, self.status),
-            "key": self.key,
-            "seconds": round(self.seconds, 3),
-            "error": self.error,
-            "files": [f.model_dump() for f in self.files],
-        }
-
-
-@dataclass
-class BucketResult:
-    bucket: Bucket
-    key: str  # the graph key
-    status: str = "pending"  # the graphs: cached | compiled | failed | timeout | interrupted
-    seconds: float = 0.0
-    log: Path | None = None
-    error: str | None = None
-    files: list[FileRef] = field(default_factory=list)  # the graphs' files
-    material: dict[str, Any] = field(default_factory=dict, repr=False)  # what the key hashes
-    weights: WeightsResult | None = None  # shared by every bucket of the run
-
-    @property
-    def cache_hit(self) -> bool:
-        return self.status == "cached"
-
-    @property
-    def graph(self) -> str:
-        """hit | compiled | failed | timeout | interrupted | pending"""
-        return GRAPH_WORDS.get(self.status, self.status)
-
-    @property
-    def weights_status(self) -> str:
-        """hit | prepared | in-graphs | failed | pending"""
-        w = self.weights
-        return WEIGHTS_WORDS.get(w.status, w.status) if w else "in-graphs"
-
-    @property
-    def ok(self) -> bool:
-        return self.status in ("cached", "compiled") and (self.weights is None or self.weights.ok)
-
-    def to_dict(self) -> dict[str, Any]:
-        w = self.weights
-        return {
-            "bucket": self.bucket.name,
-            "status": self.status,
-            "graph": self.graph,
-            "weights": self.weights_status,
-            "seconds": round(self.seconds, 3),
-            "cache_hit": self.cache_hit,
-            "key": self.key,
-            "graph_key": self.key,
-            "weights_key": w.key if w else None,
-            "log": str(self.log) if self.log else None,
-            "error": self.error or (w.error if w else None),
-            "files": [f.model_dump() for f in self.files],
-            "weights_files": [f.model_dump() for f in w.files] if w else [],
-        }
-
-
-@dataclass
-class CompileReport:
-    model: str
-    backend: str
-    store: str
-    shard: tuple[int, int]
-    workdir: Path
-    weights_digest: str
-    results: list[BucketResult]
-    seconds: float = 0.0
-    weights: WeightsResult | None = None  # None: the backend's graphs hold the weights
-
-    @property
-    def failed(self) -> list[BucketResult]:
-        return [r for r in self.results if not r.ok]
-
-    @property
-    def compiled(self) -> int:
-        return sum(r.status == "compiled" for r in self.results)
-
-    def to_dict(self) -> dict[str, Any]:
-        counts: dict[str, int] = {}
-        for r in self.results:
-            counts[r.status] = counts.get(r.status, 0) + 1
-        return {
-            "model": self.model,
-            "backend": self.backend,
-            "store": self.store,
-            "shard": f"{self.shard[0]}/{self.shard[1]}",
-            "workdir": str(self.workdir),
-            "weights_digest": self.weights_digest,
-            "seconds": round(self.seconds, 3),
-            "counts": counts,
-            "compiled": self.compiled,
-            "weights": self.weights.to_dict() if self.weights else {"status": "in-graphs"},
-            "failed": [r.bucket.name for r in self.failed],
-            "buckets": [r.to_dict() for r in self.results],
-        }
 
 
 def default_workdir(release: Release) -> Path:
@@ -351,7 +226,7 @@ class _Scheduler:
             # Ctrl-C, SIGTERM (or any crash here): stop every child compiler at once, write
             # no entry. Were this process killed outright, the workers end themselves
             # (worker.die_with_parent).
-            _kill(*(job.proc for job in running))
+            kill_workers(*(job.proc for job in running))
             for job in running:
                 job.result.status, job.result.error = "interrupted", "stopped, no entry written"
                 self.emit("done", job.result)
@@ -392,19 +267,19 @@ class _Scheduler:
         log = self.workdir / "logs" / "prepare.log"
         result_file = shared_dir / f".result.{os.getpid()}.json"
         spec_file = shared_dir / f".spec.{os.getpid()}.json"
-        proc = _spawn(spec, spec_file, result_file, log)
+        proc = spawn_worker(spec, spec_file, result_file, log)
         try:
             code = proc.wait(timeout=self.timeout)
             if code != 0 or not result_file.is_file():
-                raise _PrepareFailed(f"prepare failed: {_last_error(log, code)} (log: {log})")
+                raise _PrepareFailed(f"prepare failed: {last_error(log, code)} (log: {log})")
             files = json.loads(result_file.read_text())["files"]
         except subprocess.TimeoutExpired:
-            _kill(proc)
+            kill_workers(proc)
             raise _PrepareFailed(
                 f"prepare timed out after {self.timeout:g}s (log: {log})"
             ) from None
         except BaseException:
-            _kill(proc)
+            kill_workers(proc)
             raise
         finally:
             result_file.unlink(missing_ok=True)
@@ -440,7 +315,7 @@ class _Scheduler:
         assert r.log is not None
         result_file = out_dir.parent / f"{out_dir.name}.result.json"
         spec_file = out_dir.parent / f"{out_dir.name}.spec.json"
-        proc = _spawn(spec, spec_file, result_file, r.log)
+        proc = spawn_worker(spec, spec_file, result_file, r.log)
         now = time.monotonic()
         r.status = "compiling"
         self.emit("start", r)
@@ -453,10 +328,10 @@ class _Scheduler:
             return False
         r.seconds = time.monotonic() - job.started
         if code is None:
-            _kill(job.proc)
+            kill_workers(job.proc)
             r.status, r.error = "timeout", f"timed out after {self.timeout:g}s"
         elif code != 0 or not job.result_file.is_file():
-            r.status, r.error = "failed", _last_error(r.log, code)
+            r.status, r.error = "failed", last_error(r.log, code)
         else:
             try:
                 self._publish(r, job)
@@ -513,84 +388,6 @@ class _Scheduler:
 
 class _PrepareFailed(Exception):
     pass
-
-
-def _spawn(spec: dict[str, Any], spec_file: Path, result_file: Path, log: Path):
-    """Start a worker in its own process group (so a kill reaches its compilers too), told
-    our pid so that it ends that group if we die without killing it (SIGKILL, OOM)."""
-    spec_file.parent.mkdir(parents=True, exist_ok=True)
-    spec_file.write_text(json.dumps(spec, indent=2))
-    result_file.unlink(missing_ok=True)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    # The child imports what this process imports (tests register backends from tests/).
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    with open(log, "wb") as out:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pipeline.compile.worker",
-                str(spec_file),
-                str(result_file),
-                "--parent",
-                str(os.getpid()),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-
-
-def _kill(*procs: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
-    """SIGTERM every worker's process group at once; after one shared grace period SIGKILL
-    whatever is left of each group (the worker, or compilers it started: g++, neuronx-cc).
-    Bounded by ``grace_s`` plus a moment, however many workers there are."""
-    groups = {p.pid for p in procs}  # each worker leads its own group (start_new_session)
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while groups and time.monotonic() < deadline:
-        for p in procs:
-            p.poll()  # reap workers as they go, so their pids leave the groups
-        groups = {g for g in groups if _group_exists(g)}
-        if groups:
-            time.sleep(POLL_S)
-    for pgid in groups:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
-    for p in procs:
-        p.wait()
-
-
-def _group_exists(pgid: int) -> bool:
-    # Zombies still count until their parent (or init) reaps them: then we wait the
-    # full grace, which is the bound anyway.
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _last_error(log: Path | None, code: int | None = None) -> str:
-    """The worker's ``error:`` line, else its last line, else the exit status."""
-    lines: list[str] = []
-    if log and log.is_file():
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ln.startswith("error: "):
-            return ln.removeprefix("error: ")
-    if code is not None and code < 0:
-        return f"killed by signal {signal.Signals(-code).name}" + (
-            f"; last log line: {lines[-1]}" if lines else ""
-        )
-    tail = f": {lines[-1]}" if lines else ""
-    return f"exit status {code}{tail}"
 
 
 def _fresh_dir(path: Path) -> Path:

@@ -1,5 +1,5 @@
 """Admission: a request body (completions or chat) → a checked, tokenized
-``engine.Request`` in the engine's queue, or the ``ApiError`` that answers it (400, 404,
+``jobs.Request`` in the engine's queue, or the ``ApiError`` that answers it (400, 404,
 503)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.server import chat, protocol
-from pipeline.server.engine import Closed, QueueFull
-from pipeline.server.engine import Request as Job
+from pipeline.server.jobs import Closed, QueueFull
+from pipeline.server.jobs import Request as Job
 from pipeline.server.protocol import ApiError
 
 RETRY_AFTER_S = 1  # what a 503 asks clients to wait

@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pipeline.server import chat, protocol
 from pipeline.server.admission import admit, admit_chat
 from pipeline.server.auth import check_key
-from pipeline.server.engine import Failed, Finished, Tokens
-from pipeline.server.engine import Request as Job
+from pipeline.server.jobs import Failed, Finished, Tokens
+from pipeline.server.jobs import Request as Job
 from pipeline.server.protocol import ApiError
 from pipeline.server.service import Service
 from pipeline.server.tokenizer import TextStream

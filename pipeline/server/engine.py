@@ -46,7 +46,18 @@ from typing import Any, Protocol
 
 from pipeline.contracts.bucket import Bucket
 from pipeline.runtime.pending import Pending, Ready
-from pipeline.runtime.sampling import GREEDY, SamplingParams
+from pipeline.server.jobs import Closed as Closed
+from pipeline.server.jobs import EngineFailed as EngineFailed
+from pipeline.server.jobs import (
+    Event,
+    Failed,
+    Finished,
+    Hooks,
+    NoHooks,
+    QueueFull,
+    Request,
+    Tokens,
+)
 from pipeline.server.placement import BucketSlots, place
 
 log = logging.getLogger("inf2_pipeline.serve")
@@ -60,76 +71,6 @@ class Model(Protocol):
     eos_token_ids: tuple[int, ...]  # every id that ends an answer (none: only max_tokens)
 
     def slots(self, bucket: Bucket) -> Any: ...  # pipeline.runtime.runners.Slots
-
-
-class EngineFailed(Exception):
-    """The engine cannot go on (the device keeps failing, or a bug): the server is unhealthy."""
-
-
-class QueueFull(Exception):
-    """The bounded queue is full: answer 503 with Retry-After."""
-
-
-class Closed(Exception):
-    """The engine is shutting down: no new requests."""
-
-
-# --- what the engine tells a request (on its asyncio queue) -----------------------------
-
-
-@dataclass(frozen=True)
-class Tokens:
-    ids: list[int]
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop" (EOS) or "length" (max_tokens)
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-Event = Tokens | Finished | Failed
-
-
-@dataclass(eq=False)
-class Request:
-    """One completion request. ``events`` (an asyncio.Queue on the loop) receives ``Tokens``,
-    then ``Finished`` or ``Failed``."""
-
-    prompt: list[int]
-    max_tokens: int
-    need: int  # sequence positions a slot must have for it
-    sampling: SamplingParams = GREEDY  # the slot draws under these; greedy by default
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
-    rid: int = 0  # its number between the server's process and the engine's
-    cancelled: bool = False  # set from the loop: the client left, or a stop string matched
-    # the engine's own: tokens launched on the device, sent so far, and when the last was
-    launched: int = 0
-    produced: int = 0
-    last_token: float = 0.0
-
-
-class Hooks(Protocol):
-    """The engine's measurements (``pipeline.server.metrics.Metrics`` implements them)."""
-
-    def queue_depth(self, n: int) -> None: ...
-    def admitted(self, req: Request, now: float) -> None: ...
-    def token(self, req: Request, now: float) -> None: ...
-    def prefill(self, bucket: Bucket, real: int, computed: int) -> None: ...
-    def step(self, bucket: Bucket, rows: int) -> None: ...
-    def slots(self, bucket: Bucket, busy: int) -> None: ...
-    def engine_time(self, wait: float, prefill: float, step: float, other: float) -> None: ...
-    def idle(self) -> None: ...  # about to wait for work
-
-
-class NoHooks:
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        return lambda *a, **k: None
 
 
 @dataclass

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.contracts.bucket import Bucket
-from pipeline.server.engine import (
+from pipeline.server.jobs import (
     Closed,
     EngineFailed,
     Event,

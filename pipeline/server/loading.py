@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.contracts.bucket import Bucket
-from pipeline.server.engine import Engine, Hooks
+from pipeline.server.engine import Engine
+from pipeline.server.jobs import Hooks
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.server.engine import EngineFailed
+from pipeline.server.jobs import EngineFailed
 from pipeline.server.loading import Loaded, ServeOptions, load_release, make_engine
 from pipeline.server.metrics import Metrics
 from pipeline.server.tokenizer import load_tokenizer

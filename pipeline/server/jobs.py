@@ -1,0 +1,85 @@
+"""A job: one request as the engine holds it, and what the engine tells it (``Tokens``,
+then ``Finished`` or ``Failed``); the engine's refusals (``QueueFull``, ``Closed``) and its
+failure (``EngineFailed``); the hooks its measurements go to (``Hooks``). What the engine,
+the HTTP side and the engine's process share (``pipeline.server.engine`` runs them)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pipeline.contracts.bucket import Bucket
+from pipeline.runtime.sampling import GREEDY, SamplingParams
+
+
+class EngineFailed(Exception):
+    """The engine cannot go on (the device keeps failing, or a bug): the server is unhealthy."""
+
+
+class QueueFull(Exception):
+    """The bounded queue is full: answer 503 with Retry-After."""
+
+
+class Closed(Exception):
+    """The engine is shutting down: no new requests."""
+
+
+# --- what the engine tells a request (on its asyncio queue) -----------------------------
+
+
+@dataclass(frozen=True)
+class Tokens:
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (EOS) or "length" (max_tokens)
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Tokens | Finished | Failed
+
+
+@dataclass(eq=False)
+class Request:
+    """One completion request. ``events`` (an asyncio.Queue on the loop) receives ``Tokens``,
+    then ``Finished`` or ``Failed``."""
+
+    prompt: list[int]
+    max_tokens: int
+    need: int  # sequence positions a slot must have for it
+    sampling: SamplingParams = GREEDY  # the slot draws under these; greedy by default
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    rid: int = 0  # its number between the server's process and the engine's
+    cancelled: bool = False  # set from the loop: the client left, or a stop string matched
+    # the engine's own: tokens launched on the device, sent so far, and when the last was
+    launched: int = 0
+    produced: int = 0
+    last_token: float = 0.0
+
+
+class Hooks(Protocol):
+    """The engine's measurements (``pipeline.server.metrics.Metrics`` implements them)."""
+
+    def queue_depth(self, n: int) -> None: ...
+    def admitted(self, req: Request, now: float) -> None: ...
+    def token(self, req: Request, now: float) -> None: ...
+    def prefill(self, bucket: Bucket, real: int, computed: int) -> None: ...
+    def step(self, bucket: Bucket, rows: int) -> None: ...
+    def slots(self, bucket: Bucket, busy: int) -> None: ...
+    def engine_time(self, wait: float, prefill: float, step: float, other: float) -> None: ...
+    def idle(self) -> None: ...  # about to wait for work
+
+
+class NoHooks:
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *a, **k: None
