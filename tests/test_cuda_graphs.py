@@ -235,7 +235,8 @@ def test_slots_join_leave_and_skip_steps_each_equal_alone(demo_buckets, recorded
     prefilled together and alone (the 32- and 64-token prefill graphs), stepped together and
     one at a time while the other waits, freed and replaced; every row's tokens equal its
     prompt generated alone in a bucket of its own (fp32 on cpu)."""
-    from pipeline.runtime.decode_session import DecodeSession, SessionSlots
+    from pipeline.runtime.aoti import SessionSlots
+    from pipeline.runtime.decode_session import DecodeSession
     from pipeline.runtime.graph_loading import BucketGraphs
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
@@ -268,7 +269,8 @@ def test_sampled_slots_replayed_as_graphs_equal_eager_ones(demo_buckets):
     """The sampled path through recorded step and prefill graphs (their static inputs get
     the drawn token written back) gives the eager session's tokens for the same seeds,
     greedy rows beside it included, with rows held while others step."""
-    from pipeline.runtime.decode_session import DecodeSession, SessionSlots
+    from pipeline.runtime.aoti import SessionSlots
+    from pipeline.runtime.decode_session import DecodeSession
     from pipeline.runtime.graph_loading import BucketGraphs
     from pipeline.runtime.sampling import SamplingParams
 
@@ -298,7 +300,8 @@ def test_the_recorded_sampler_draws_the_eager_tokens_of_both_kinds(demo_buckets)
     """Graphed, a step's sampled rows are drawn by one recorded sampler per kind (with a
     top-k/top-p filter or without), both recorded with the session: the tokens equal the
     eager draw's, a temperature-only row first and a filtered one joining it."""
-    from pipeline.runtime.decode_session import DecodeSession, SessionSlots
+    from pipeline.runtime.aoti import SessionSlots
+    from pipeline.runtime.decode_session import DecodeSession
     from pipeline.runtime.graph_loading import BucketGraphs
     from pipeline.runtime.sampling import SamplingParams
 

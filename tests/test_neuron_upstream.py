@@ -23,7 +23,7 @@ from pipeline.compile.backends.base import BucketJob
 from pipeline.compile.backends.neuron import export_command, write_export_checkpoint
 from pipeline.contracts.bucket import Bucket
 from pipeline.plan.checkpoint import NEURON_DECODERS
-from pipeline.runtime.neuron import GREEDY, NeuronSlots
+from pipeline.runtime.neuron_slots import GREEDY, NeuronSlots
 from pipeline.runtime.sampling import SamplingParams
 from tests.neuron_upstream import run_probe
 

@@ -189,7 +189,7 @@ def test_a_release_exported_with_another_optimum_neuron_is_refused(
         BucketedModel.load(copy)
 
 
-# --- Slots: the serving engine's interface (pipeline.runtime.neuron.NeuronSlots) -------------
+# --- Slots: the serving engine's interface (pipeline.runtime.neuron_slots.NeuronSlots) ---------
 
 
 def forwards(module) -> list[tuple]:
@@ -208,7 +208,7 @@ def fake():
 
 def in_memory(module, batch: int = 4, seq: int = 32, on_device_sampling: bool = True):
     """A stand-in export, no release: (model, its slots)."""
-    from pipeline.runtime.neuron import NeuronSlots
+    from pipeline.runtime.neuron_slots import NeuronSlots
 
     fields = {"batch_size": batch, "sequence_length": seq, "tp_degree": 2}
     fields |= {"continuous_batching": batch > 1, "on_device_sampling": on_device_sampling}
@@ -299,7 +299,7 @@ def test_every_decode_carries_every_active_slot(fake):
 
 def test_a_wrong_position_or_a_left_out_slot_is_refused_by_the_standin(fake, monkeypatch):
     """The stand-in catches engine mistakes: these tests fail if it answered them."""
-    from pipeline.runtime.neuron import NeuronSlots
+    from pipeline.runtime.neuron_slots import NeuronSlots
 
     _, slots = in_memory(fake)
     slots.prefill(0, [1, 2, 3, 4, 5, 6])

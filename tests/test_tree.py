@@ -21,8 +21,6 @@ MAX_LINES = 500
 NOT_YET_SPLIT = {
     "pipeline.install.pull": 714,
     "pipeline.store.s3": 522,
-    "pipeline.runtime.decode_session": 510,
-    "pipeline.runtime.neuron": 505,
 }
 
 

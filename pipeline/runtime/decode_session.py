@@ -50,6 +50,7 @@ from torch import Tensor
 from pipeline.runtime.cuda_graphs import Recorder, StaticGraph
 from pipeline.runtime.graph_loading import BucketGraphs
 from pipeline.runtime.pending import DeviceTokens, Pending, to_device
+from pipeline.runtime.runners import until_eos
 from pipeline.runtime.sampler_graph import RecordedSampler
 from pipeline.runtime.sampling import Draws, SamplingParams, SlotSampling, draw
 
@@ -338,7 +339,7 @@ class DecodeSession:
                 stop = bool(on_tokens(self._column(lengths, done, n)))
         rows = self.generated[:n].tolist()
         starts = lengths.tolist()
-        return [_until(r[p : p + done], eos_token_id) for r, p in zip(rows, starts, strict=True)]
+        return [until_eos(r[p : p + done], eos_token_id) for r, p in zip(rows, starts, strict=True)]
 
     # --- the step and its state ---------------------------------------------------------------
 
@@ -452,43 +453,6 @@ class DecodeSession:
             )
 
 
-class SessionSlots:
-    """A ``DecodeSession`` under the ``Slots`` interface (``pipeline.runtime.runners``)."""
-
-    def __init__(self, session: DecodeSession) -> None:
-        self.session = session
-        self.batch = session.batch
-        self.seq = session.seq
-        # the session's own calls: several prompts in one prefill call (at most
-        # ``prefill_batch``; the engine groups what it admits together by prefill length),
-        # one step, and both queued (``launch_prefill``, ``launch``: tokens read when asked)
-        self.prefill_many = session.prefill_slots
-        self.launch_prefill = session.launch_prefill
-        self.step = session.step
-        self.launch = session.launch
-        self.free = session.free
-
-    @property
-    def prefill_lengths(self) -> tuple[int, ...]:
-        """The prompt lengths this bucket has prefill graphs for."""
-        return self.session.spec.prefill_lengths
-
-    @property
-    def prefill_batch(self) -> int:
-        """Prompts one ``prefill_many`` call takes."""
-        return self.session.spec.prefill_batch
-
-    def prefill(
-        self, slot: int, prompt: Sequence[int], sampling: SamplingParams | None = None
-    ) -> int:
-        params = None if sampling is None else [sampling]
-        return self.session.prefill_slots([slot], [prompt], params)[0]
-
-    def prefill_positions(self, prompt: int) -> int:
-        """Positions a prefill of ``prompt`` tokens computes: its prefill graph's length."""
-        return self.session.spec.prefill_length(prompt)
-
-
 def _with_drawn(nxt: Tensor, logits: Tensor, rows: Tensor, draws: Draws) -> Tensor:
     """``nxt`` (a call's argmax tokens) with ``rows`` drawn from their logits instead."""
     out = nxt.clone()
@@ -499,10 +463,6 @@ def _with_drawn(nxt: Tensor, logits: Tensor, rows: Tensor, draws: Draws) -> Tens
 def _past(position: int | None, seq: int) -> bool:
     """A device position that a step would write outside the cache at (None: unknown)."""
     return position is None or position >= seq
-
-
-def _until(row: list[int], eos: int | None) -> list[int]:
-    return row[: row.index(eos) + 1] if eos is not None and eos in row else row
 
 
 def _on(device: torch.device, *tensors: Tensor) -> tuple[Tensor, ...]:

@@ -103,3 +103,8 @@ def open_runner(installed: InstalledRelease, backend: str = "auto", **options: A
             "compiled graphs run only on the target they were compiled for",
         )
     return backend_table.role(manifest.backend, "runtime", installed.what)(installed, **options)
+
+
+def until_eos(row: list[int], eos: int | None) -> list[int]:
+    """An answer up to and including its first ``eos`` (all of it without one)."""
+    return row[: row.index(eos) + 1] if eos is not None and eos in row else row
