@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from pipeline.compile.keys import bucket_cache_key
-from pipeline.compile.runner import compile_release
+from pipeline.compile.scheduler import compile_release
 from pipeline.contracts.digests import weights_digest
 from pipeline.plan.config import load_config
 from pipeline.store import open_store

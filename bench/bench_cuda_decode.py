@@ -197,7 +197,7 @@ def compile_and_install(configs: list[Path], workdir: Path, jobs: list[int]) -> 
     """Compile the releases at once (one thread each; compiles run in worker processes),
     then publish and pull each: the release directories a server would load."""
     from pipeline.compile.release import publish_release
-    from pipeline.compile.runner import compile_release
+    from pipeline.compile.scheduler import compile_release
     from pipeline.install.pull import pull_release
     from pipeline.plan.config import load_config
     from pipeline.store import open_store

@@ -109,7 +109,7 @@ def compiled_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
     both as read-only. Compiled bucket directories are under ``config.parent / "work"``."""
     import yaml
 
-    from pipeline.compile.runner import compile_release
+    from pipeline.compile.scheduler import compile_release
     from pipeline.plan.config import load_config
 
     root = tmp_path_factory.mktemp("compiled")
@@ -152,7 +152,7 @@ def compiled_cuda_release(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPa
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
     from pipeline.compile.release import publish_release
-    from pipeline.compile.runner import compile_release
+    from pipeline.compile.scheduler import compile_release
     from pipeline.install.pull import pull_release
     from pipeline.plan.config import load_config
     from pipeline.store import open_store

@@ -149,7 +149,7 @@ def neuron_release(tiny_checkpoint, tmp_path_factory):
     """(store dir, DEST/MODEL) of the tiny model compiled for neuron by the stand-in exporter."""
     from pipeline.compile import backends
     from pipeline.compile.release import publish_release
-    from pipeline.compile.runner import compile_release
+    from pipeline.compile.scheduler import compile_release
     from pipeline.install.pull import pull_release
     from pipeline.plan.config import load_config
     from pipeline.store import open_store

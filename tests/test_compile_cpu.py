@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from pipeline.compile import decoder as dec
-from pipeline.compile.runner import compile_release
+from pipeline.compile.scheduler import compile_release
 from pipeline.contracts import checkpoint_layout
 from pipeline.contracts.graph_abi import GRAPH_FILE, GraphSpec
 from pipeline.plan.config import load_config

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.compile import backends
 from pipeline.compile.backends import resolve_backend
-from pipeline.compile.runner import compile_release
+from pipeline.compile.scheduler import compile_release
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
 from pipeline.store.cache import read_cache_entry

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.compile import keys
 from pipeline.compile.release import publish_release
-from pipeline.compile.runner import compile_release
+from pipeline.compile.scheduler import compile_release
 from pipeline.contracts import digests
 from pipeline.contracts.bucket import Bucket
 from pipeline.plan.config import load_config

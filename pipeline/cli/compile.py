@@ -1,4 +1,4 @@
-"""``compile`` (and ``release``: compile, then publish): thin commands over compile.runner."""
+"""``compile`` (and ``release``: compile, then publish): thin commands over compile.scheduler."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _compile(release, backend, jobs, shard, workdir, store, download, json):
     from rich.console import Console
 
     from pipeline.compile.progress import make_progress, summary_table
-    from pipeline.compile.runner import compile_release
+    from pipeline.compile.scheduler import compile_release
 
     # SIGTERM (a pod or CI job stopped) stops the workers as Ctrl-C does: exit 143.
     with sigterm_unwinds(), make_progress(_shard_size(release, shard)) as progress:

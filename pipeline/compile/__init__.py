@@ -2,7 +2,7 @@
 
 - ``keys``: cache keys (no torch), also used by ``publish``
 - ``shards``: deterministic, cost-balanced splits of the grid
-- ``runner``: cache lookups, parallel worker processes, uploads (``compile_release``)
+- ``scheduler``: cache lookups, then worker processes in parallel, uploads (``compile_release``)
 - ``report``: what a run reports, per bucket and for the weights (``CompileReport``)
 - ``workers``: the worker processes, each in a group of its own, and how they are killed
 - ``release``: the compiled buckets as a release, published (``publish_release``)
@@ -18,7 +18,7 @@ from pipeline._front_door import front_door
 __all__, __getattr__ = front_door(
     __name__,
     {
-        "compile_release": "runner",
+        "compile_release": "scheduler",
         "CompileReport": "report",
         "publish_release": "release",
         "pad_checkpoint": "gqa_pad",

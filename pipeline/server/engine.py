@@ -4,7 +4,7 @@ The asyncio side ``submit``s requests (never blocking: a short lock, no model wo
 model thread (``run``) loops, because a runner is not re-entrant. Every iteration:
 
 1. retires rows whose client left (or whose stop string matched), freeing their slots;
-2. admits waiting requests into free slots (``scheduler.place``: first come, first served,
+2. admits waiting requests into free slots (``placement.place``: first come, first served,
    at most ``max_prefills``) and launches their prefills, those of one bucket and one
    prefill length in one call where the backend can;
 3. launches one decode step for every bucket with rows that have tokens to launch;

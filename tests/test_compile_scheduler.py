@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.compile.runner import compile_release
+from pipeline.compile.scheduler import compile_release
 from pipeline.compile.shards import split
 from pipeline.plan.config import load_config
 from pipeline.store import open_store
@@ -311,9 +311,9 @@ def test_ctrl_c_under_load_stops_all_workers_within_one_grace_period(config, tmp
 
 
 def test_interrupt_between_blobs_and_entry_leaves_no_entry(config, monkeypatch):
-    from pipeline.compile import runner
+    from pipeline.compile import scheduler
 
-    real, calls = runner._write_entry, []
+    real, calls = scheduler._write_entry, []
 
     def interrupted_on_second(store, entry):
         if entry.kind == "weights":  # written first, before any bucket compiles
@@ -323,7 +323,7 @@ def test_interrupt_between_blobs_and_entry_leaves_no_entry(config, monkeypatch):
             raise KeyboardInterrupt  # after this bucket's blobs went up, before its entry
         real(store, entry)
 
-    monkeypatch.setattr(runner, "_write_entry", interrupted_on_second)
+    monkeypatch.setattr(scheduler, "_write_entry", interrupted_on_second)
     with pytest.raises(KeyboardInterrupt):
         run(config)
     store_dir = config.parent / "store"
@@ -332,7 +332,7 @@ def test_interrupt_between_blobs_and_entry_leaves_no_entry(config, monkeypatch):
         (store_dir / "blobs" / "sha256" / sha).is_file()
         for sha in entries(store_dir)[calls[0]].values()
     )
-    monkeypatch.setattr(runner, "_write_entry", real)
+    monkeypatch.setattr(scheduler, "_write_entry", real)
     assert sorted(statuses(run(config)).values()) == ["cached"] + ["compiled"] * 3
 
 
