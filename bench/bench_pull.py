@@ -136,6 +136,7 @@ started = time.perf_counter()
 import json, sys
 from pathlib import Path
 import pipeline.install.pull as pull
+import pipeline.install.landing as landing
 from pipeline.store.s3 import S3Store
 imported = time.perf_counter() - started
 stages = {}
@@ -152,9 +153,9 @@ if sys.argv[4] == "stages":  # wall seconds inside each call that releases the G
                     stages[name] = stages.get(name, 0.0) + time.perf_counter() - t
         return call
     socket.SocketIO.readinto = timed("socket reads", socket.SocketIO.readinto)
-    pull.hashlib = type("H", (), {"sha256": staticmethod(timed("sha256", hashlib.sha256))})
-    pull.os.pwrite = timed("pwrite", pull.os.pwrite)
-    pull._read = timed("ranged GETs (reads included)", pull._read)
+    landing.hashlib = type("H", (), {"sha256": staticmethod(timed("sha256", hashlib.sha256))})
+    landing.os.pwrite = timed("pwrite", landing.os.pwrite)
+    landing._read = timed("ranged GETs (reads included)", landing._read)
 if sys.argv[4] == "unverified":  # diagnostic: the transport alone, every digest taken as equal
     class Equal(str):
         __hash__ = str.__hash__
@@ -164,7 +165,7 @@ if sys.argv[4] == "unverified":  # diagnostic: the transport alone, every digest
         def __init__(self, data=b""): pass
         def update(self, data): pass
         def hexdigest(self): return Equal()
-    pull.hashlib = type("H", (), {"sha256": NoHash})
+    landing.hashlib = type("H", (), {"sha256": NoHash})
 c = int(sys.argv[3]) or None  # 0: pull's default
 t = time.perf_counter()
 store = S3Store.from_url(sys.argv[1])
@@ -423,6 +424,7 @@ def gil_held_per_gb(refs: list, gets: str, tmp: Path) -> float:
     import hashlib
     import socket
 
+    import pipeline.install.landing as landing
     import pipeline.install.pull as pull
     from pipeline.store.s3 import S3Store
 
@@ -439,24 +441,24 @@ def gil_held_per_gb(refs: list, gets: str, tmp: Path) -> float:
         return call
 
     store = S3Store.from_url(f"s3://{BUCKET}/store?addressing_style=path", lean_gets=gets == "lean")
-    fd = pull._preallocated(tmp, max(r.size for r in refs))  # one file: bytes land anywhere
+    fd = landing.preallocated(tmp, max(r.size for r in refs))  # one file: bytes land anywhere
     jobs = [
-        pull.RangeJob(blob_key(r.sha256), r, str(tmp), off,
+        landing.RangeJob(blob_key(r.sha256), r, str(tmp), off,
                       min(pull.DEFAULT_PART, r.size - off), False, False)
         for r in refs for off in range(0, r.size, pull.DEFAULT_PART)
     ]  # fmt: skip
-    saved = socket.SocketIO.readinto, pull.hashlib, pull.os.pwrite
+    saved = socket.SocketIO.readinto, landing.hashlib, landing.os.pwrite
     try:
-        pull.land_range(store, jobs[0], lambda: fd)  # warm: the connection, the buffer
+        landing.land_range(store, jobs[0], lambda: fd)  # warm: the connection, the buffer
         socket.SocketIO.readinto = timed_free(saved[0])  # type: ignore[method-assign]
-        pull.hashlib = type("H", (), {"sha256": staticmethod(timed_free(hashlib.sha256))})
-        pull.os.pwrite = timed_free(saved[2])
+        landing.hashlib = type("H", (), {"sha256": staticmethod(timed_free(hashlib.sha256))})
+        landing.os.pwrite = timed_free(saved[2])
         t = time.thread_time()
         for job in jobs:
-            pull.land_range(store, job, lambda: fd)
+            landing.land_range(store, job, lambda: fd)
         cpu = time.thread_time() - t
     finally:
-        socket.SocketIO.readinto, pull.hashlib, pull.os.pwrite = saved  # type: ignore[misc]
+        socket.SocketIO.readinto, landing.hashlib, landing.os.pwrite = saved  # type: ignore[misc]
         os.close(fd)
         tmp.unlink()
     return (cpu - free[0]) / (sum(r.size for r in refs) / 1e9)

@@ -109,7 +109,7 @@ def test_invalid_bucket_name_is_bad_input_before_any_request(aws_env, bucket, wh
     ],
 )
 def test_valid_bucket_names_parse(bucket):
-    from pipeline.store.s3 import parse_s3_url
+    from pipeline.store.s3_client import parse_s3_url
 
     assert parse_s3_url(f"s3://{bucket}/p")[:2] == (bucket, "p/")
 

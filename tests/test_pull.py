@@ -21,7 +21,8 @@ from pipeline.cli import app
 from pipeline.contracts.store_layout import blob_key, release_key
 from pipeline.errors import InputError, IntegrityError, NotFoundError, StoreError
 from pipeline.install.installed import find_release
-from pipeline.install.pull import pull_release, with_retries
+from pipeline.install.landing import with_retries
+from pipeline.install.pull import pull_release
 from pipeline.store import open_store
 from tests.release_factory import make_release, point_channel
 

@@ -30,15 +30,9 @@ from pipeline.errors import (
     RuntimeMismatchError,
     StoreError,
 )
-from pipeline.install.pull import (
-    FILE_RETRIES,
-    FILES_IN_TURN,
-    PART_RETRIES,
-    _interleaved,
-    available_cpus,
-    default_concurrency,
-    pull_release,
-)
+from pipeline.install.fetcher import FILES_IN_TURN, interleaved
+from pipeline.install.landing import FILE_RETRIES, PART_RETRIES
+from pipeline.install.pull import available_cpus, default_concurrency, pull_release
 from pipeline.store import open_store
 from pipeline.store.manifest import MANIFEST_SCHEMA, parse_manifest
 from pipeline.store.publish import publish
@@ -98,7 +92,7 @@ def test_publish_records_part_digests_and_pull_checks_every_part(store, tmp_path
     checked = []
     real = hashlib.sha256
 
-    class Spy:  # counts the part checks pull makes (the module's hashlib.sha256)
+    class Spy:  # counts the part checks pull makes (its landing module's hashlib.sha256)
         def __init__(self, b=b""):
             self.h = real(b)
             checked.append(len(b))
@@ -106,13 +100,13 @@ def test_publish_records_part_digests_and_pull_checks_every_part(store, tmp_path
         def hexdigest(self):
             return self.h.hexdigest()
 
-    import pipeline.install.pull as pull_mod
+    import pipeline.install.landing as landing
 
-    pull_mod.hashlib = type("H", (), {"sha256": Spy})  # type: ignore[assignment]
+    landing.hashlib = type("H", (), {"sha256": Spy})  # type: ignore[assignment]
     try:
         r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=4 * PART)
     finally:
-        pull_mod.hashlib = hashlib
+        landing.hashlib = hashlib
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
     want = [len(data[i : i + PART]) for i in range(0, len(data), PART)]
     assert sorted(c for c in checked if c) == sorted([*want, len(b'{"model_type": "llama"}')])
@@ -463,7 +457,7 @@ def test_files_taken_in_turn_are_bounded():
     files = [SimpleNamespace(ranges=[(i, 1), (i + 1, 1), (i + 2, 1)]) for i in range(200)]
     left = {id(f): len(f.ranges) for f in files}
     started, most, seen = set(), 0, []
-    for f, r in _interleaved(files):  # type: ignore[arg-type]
+    for f, r in interleaved(files):  # type: ignore[arg-type]
         seen.append((id(f), r))
         started.add(id(f))
         left[id(f)] -= 1
@@ -487,8 +481,6 @@ def test_an_interrupted_system_call_in_a_worker_fails_the_pull(tmp_path, monkeyp
     "stopped" marker, and the pull installed a release with a file missing."""
     import errno
 
-    import pipeline.install.pull as pull_mod
-
     store = _local_release(tmp_path, _big(4 * PART))
     real = store.read_range_into
 
@@ -498,7 +490,9 @@ def test_an_interrupted_system_call_in_a_worker_fails_the_pull(tmp_path, monkeyp
         return real(key, start, buf)
 
     store.read_range_into = interrupted
-    monkeypatch.setattr(pull_mod, "with_retries", lambda fn: fn())
+    import pipeline.install.landing as landing
+
+    monkeypatch.setattr(landing, "with_retries", lambda fn: fn())
     with pytest.raises(InterruptedError):
         pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
     assert not (tmp_path / "d/m/v1").exists() and not (tmp_path / "d/m/current").exists()

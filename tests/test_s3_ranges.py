@@ -19,7 +19,8 @@ from botocore.config import Config
 
 from pipeline.contracts.store_layout import blob_key
 from pipeline.errors import NotFoundError, StoreError
-from pipeline.install.pull import pull_release, with_retries
+from pipeline.install.landing import with_retries
+from pipeline.install.pull import pull_release
 from pipeline.store import open_store
 from pipeline.store.s3 import GETS_ENV, S3Store
 from pipeline.store.s3_ranges import RangeReader

@@ -23,7 +23,8 @@ from pipeline.errors import (
 )
 from pipeline.store import REGISTRY, open_store
 from pipeline.store.local import LocalStore
-from pipeline.store.s3 import S3Store, make_client, parse_s3_url
+from pipeline.store.s3 import S3Store
+from pipeline.store.s3_client import make_client, parse_s3_url
 from pipeline.store.s3_errors import translate_error
 from tests.conftest import FAKE_AWS_ACCESS_KEY_ID
 from tests.store_helpers import race

@@ -15,13 +15,6 @@ from tests.import_graph import cycles, edges, modules, package_edges, package_of
 STAGES = ("contracts", "plan", "compile", "store", "install", "runtime", "server", "parity")
 BELOW = {"pipeline.errors", "pipeline._files", "pipeline._front_door"}  # what contracts may use
 MAX_LINES = 500
-# Still to split, each at a seam its docstring names, and capped where it is so it cannot
-# grow: the pull and the S3 store wait for the pull issue's transport (issue 32), which
-# reshapes both.
-NOT_YET_SPLIT = {
-    "pipeline.install.pull": 714,
-    "pipeline.store.s3": 522,
-}
 
 
 def test_no_module_imports_itself_back_deferred_imports_included():
@@ -78,12 +71,7 @@ def test_each_stage_package_has_a_front_door(stage):
 
 def test_modules_stay_under_the_size_limit():
     sizes = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
-    too_big = {n: s for n, s in sizes.items() if s > MAX_LINES and n not in NOT_YET_SPLIT}
-    assert too_big == {}
-    grew = {n: sizes[n] for n, cap in NOT_YET_SPLIT.items() if sizes.get(n, 0) > cap}
-    assert grew == {}
-    # a module split since is taken off the list, so the list only shrinks
-    assert {n for n in NOT_YET_SPLIT if sizes.get(n, 0) <= MAX_LINES} == set()
+    assert {n: s for n, s in sizes.items() if s > MAX_LINES} == {}
 
 
 def test_the_graph_sees_deferred_and_type_checking_imports():

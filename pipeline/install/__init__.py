@@ -7,6 +7,7 @@ __all__, __getattr__ = front_door(
     __name__,
     {
         "pull_release": "pull",
+        "land_range": "landing",
         "open_installed": "installed",
         "InstalledRelease": "installed",
     },

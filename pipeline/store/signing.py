@@ -188,7 +188,7 @@ class KmsSigner:
     def __init__(self, key: str, client: Any = None) -> None:
         from cryptography.hazmat.primitives import serialization
 
-        from pipeline.store.s3 import make_client
+        from pipeline.store.s3_client import make_client
         from pipeline.store.s3_errors import translate_error
 
         self._key = key
