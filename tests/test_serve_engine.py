@@ -415,6 +415,27 @@ def test_place_idle_choice_is_the_smallest_batch_holding_the_demand_else_the_lar
     assert [p.bucket.name for p in place([10, 10], b, max_prefills=1)] == ["b2_s32"]
 
 
+def test_place_widest_from_idle_opens_the_widest_for_a_burst_and_the_smallest_for_one():
+    b = [slots(1, 32), slots(2, 32), slots(4, 32)]
+
+    def buckets_of(needs):
+        return [p.bucket.name for p in place(needs, b, max_prefills=8, widest_from_idle=True)]
+
+    assert buckets_of([10]) == ["b1_s32"]  # a lone request: the fastest step
+    assert buckets_of([10, 10]) == ["b4_s32"] * 2  # a burst: the widest, at once
+    assert buckets_of([10] * 6) == ["b4_s32"] * 4
+    # only where nothing of the length runs: a running b2 keeps its rules (it takes the
+    # first; full, it is outgrown and the widest opens for the next), as without the flag
+    b = [slots(1, 32), slots(2, 32, running=1), slots(4, 32)]
+    want = where(place([10, 10], b, max_prefills=8))
+    assert want == [(0, "b2_s32", 1), (1, "b4_s32", 0)]
+    assert where(place([10, 10], b, max_prefills=8, widest_from_idle=True)) == want
+    # a burst of another length is counted on its own
+    b = [slots(1, 32), slots(4, 32), slots(1, 64), slots(4, 64)]
+    got = place([10, 50, 50], b, max_prefills=8, widest_from_idle=True)
+    assert [p.bucket.name for p in got] == ["b1_s32", "b4_s64", "b4_s64"]
+
+
 def test_place_opens_no_smaller_bucket_beside_a_running_one_of_its_length():
     # b4 runs full: b2 and b1 stay idle, the request waits (no_overflow) ...
     b = [slots(1, 32), slots(2, 32), slots(4, 32, running=4)]

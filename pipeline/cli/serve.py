@@ -46,6 +46,15 @@ def serve(
             "smaller batch (more rows in flight, but one more step in every iteration).",
         ),
     ] = False,
+    widest_from_idle: Annotated[
+        bool,
+        typer.Option(
+            "--widest-from-idle/--no-widest-from-idle",
+            help="When nothing of a length runs and several requests wait, open its widest "
+            "idle bucket, not the smallest that holds them (a burst that grows then needs no "
+            "second bucket stepping beside the first).",
+        ),
+    ] = False,
     batching: Annotated[
         str,
         typer.Option(
@@ -138,6 +147,7 @@ def serve(
             max_prefills=max_prefills,
             spill=spill,
             overflow=overflow,
+            widest_from_idle=widest_from_idle,
             batching=batching,
             api_key=api_key,
             chat_max_tokens=chat_max_tokens,

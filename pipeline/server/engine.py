@@ -107,6 +107,7 @@ class Engine:
         max_prefills: int = 4,
         spill: bool = True,
         overflow: bool = False,
+        widest_from_idle: bool = False,
         batching: str = "iteration",
         overlap: bool = True,
         hooks: Hooks | None = None,
@@ -129,6 +130,7 @@ class Engine:
         self.max_prefills = max_prefills
         self.spill = spill
         self.overflow = overflow
+        self.widest_from_idle = widest_from_idle
         self.batching = batching
         self.overlap = overlap
         self.hooks: Any = hooks or NoHooks()
@@ -274,6 +276,7 @@ class Engine:
             spill=self.spill,
             batching=self.batching,
             overflow=self.overflow,
+            widest_from_idle=self.widest_from_idle,
         )
         by_bucket = {r.bucket: r for r in self._resident}
         now = time.monotonic()

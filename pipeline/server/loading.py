@@ -24,6 +24,7 @@ class ServeOptions:
     max_prefills: int = 4  # prefills per iteration: each stalls the running rows
     spill: bool = True  # a request may take a free slot of a longer bucket rather than wait
     overflow: bool = False  # open a smaller idle bucket beside a full running one
+    widest_from_idle: bool = False  # several waiting, nothing running: open the widest
     batching: str = "iteration"  # or "static": the batch-at-a-time baseline
     api_key: str | None = None  # required as `Authorization: Bearer` on /v1 when set
     # a chat answer's length when the request names none (None: what the largest bucket
@@ -111,6 +112,7 @@ def make_engine(
         max_prefills=o.max_prefills,
         spill=o.spill,
         overflow=o.overflow,
+        widest_from_idle=o.widest_from_idle,
         batching=o.batching,
         overlap=o.overlap,
         hooks=hooks,

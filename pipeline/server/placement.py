@@ -32,6 +32,11 @@ The rules, in order:
   running one takes no new rows and drains: in the simulated-device bench
   (bench/bench_engine_host.py, long replay, 64 clients) a b8 kept refilled beside a full b32
   served 10,710 tokens/s, drained 12,344.
+- With ``widest_from_idle``, a length with nothing running and several requests waiting
+  opens its widest idle bucket at once (a lone request still takes the smallest): a burst
+  that outgrows the bucket it opened would leave that one stepping beside the wider one
+  until its rows end (b8 beside b32 for ~200 iterations of the long replay's opening, in
+  the thirteenth round), at the cost of a wider step while the burst stays small.
 - ``static`` batching (the old batch-at-a-time server, kept to compare): a bucket admits
   only when none of its rows is running, and then as many requests as it holds, whatever
   ``max_prefills`` says.
@@ -72,6 +77,7 @@ def place(
     spill: bool = True,
     batching: str = "iteration",
     overflow: bool = False,
+    widest_from_idle: bool = False,
 ) -> list[Placement]:
     """Placements for the waiting requests whose needs are ``needs`` (oldest first)."""
     if batching not in BATCHING:
@@ -97,6 +103,8 @@ def place(
             demand = sum(1 for n in needs[i:] if n <= seq)
             if widest and not overflow and not any(_busy(b) for b in open_):
                 chosen = max(open_, key=lambda b: b.bucket.batch)  # outgrown: the widest
+            elif widest_from_idle and demand > 1 and not any(_busy(b) for b in same):
+                chosen = max(open_, key=lambda b: b.bucket.batch)  # a burst from idle
             else:
                 chosen = _choose(open_, demand)
             slot = chosen.free.pop(0)
