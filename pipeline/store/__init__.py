@@ -39,9 +39,6 @@ def open_store(url: str | None = None, **kw) -> Store:
     return factory(url, **kw)
 
 
-__all__ = ["DEFAULT_STORE", "REGISTRY", "Store", "open_store"]
-
-
 _entry_points, __getattr__ = front_door(
     __name__,
     {

@@ -109,7 +109,7 @@ class RangeReader:
         try:
             url = self._url(bucket, key)
         except (BotoCoreError, ClientError) as e:  # no usable credentials, say
-            raise _translate(e, what) from None
+            raise translate_error(e, what) from None
         parts = urlsplit(url)
         target = f"{parts.path or '/'}?{parts.query}"
         headers = {"Range": f"bytes={start}-{start + len(buf) - 1}"}
@@ -276,8 +276,4 @@ def _error(status: int, body: bytes, what: str) -> tuple[str, PipelineError]:
         },
         "GetObject",
     )
-    return code, _translate(error, what)
-
-
-def _translate(e: BaseException, what: str) -> PipelineError:
-    return translate_error(e, what)
+    return code, translate_error(error, what)
