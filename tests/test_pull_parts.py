@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import blake3
 import pytest
 from typer.testing import CliRunner
 
@@ -63,6 +64,10 @@ def test_hash_file_gives_whole_and_part_digests_in_one_read(tmp_path):
     assert parts == want and len(parts) == 11
     ref = file_ref(path, "f", PART)
     assert ref.parts == want and ref.part_size == PART
+    assert ref.parts_blake3 == [
+        blake3.blake3(data[i : i + PART]).hexdigest() for i in range(0, len(data), PART)
+    ]
+    assert ref.part_hash == "blake3"
     (tmp_path / "empty").write_bytes(b"")
     assert hash_file(tmp_path / "empty", PART)[2] == []
     exact = tmp_path / "exact"
@@ -77,39 +82,40 @@ def test_a_ref_without_parts_serialises_as_schema_1_did():
         FileRef(path="a", sha256="0" * 64, size=3 * PART, part_size=PART, parts=["0" * 64])
     with pytest.raises(ValueError, match="go together"):
         FileRef(path="a", sha256="0" * 64, size=3, part_size=PART)
+    with pytest.raises(ValueError, match="one digest for each"):
+        FileRef(path="a", sha256="0" * 64, size=3, part_size=PART, parts=["0" * 64],
+                parts_blake3=[])  # fmt: skip
+    # schema 2's shape: sha256 parts, no BLAKE3 key at all
+    two = FileRef(path="a", sha256="0" * 64, size=3, part_size=PART, parts=["0" * 64])
+    assert "parts_blake3" not in json.loads(two.model_dump_json()) and two.part_hash == "sha256"
 
 
-def test_publish_records_part_digests_and_pull_checks_every_part(store, tmp_path):
+def test_publish_records_part_digests_and_pull_checks_every_part(store, tmp_path, monkeypatch):
     data = _big()
     m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
     ref = m.buckets["b1_s32"].files[0]
     stored = parse_manifest(store.get_bytes(release_key("m", "v1")), "m v1")
-    assert stored.schema_version == MANIFEST_SCHEMA == 2
+    assert stored.schema_version == MANIFEST_SCHEMA == 3
     assert stored.buckets["b1_s32"].files[0].parts == ref.parts
     assert ref.parts == [
         hashlib.sha256(data[i : i + PART]).hexdigest() for i in range(0, len(data), PART)
     ]
-    checked = []
-    real = hashlib.sha256
-
-    class Spy:  # counts the part checks pull makes (its landing module's hashlib.sha256)
-        def __init__(self, b=b""):
-            self.h = real(b)
-            checked.append(len(b))
-
-        def hexdigest(self):
-            return self.h.hexdigest()
-
     import pipeline.install.landing as landing
 
-    landing.hashlib = type("H", (), {"sha256": Spy})  # type: ignore[assignment]
-    try:
-        r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=4 * PART)
-    finally:
-        landing.hashlib = hashlib
+    checked = []
+    real = landing.part_matches
+
+    def spy(ref, i, data):  # counts the part checks pull makes, and by which digest
+        checked.append((len(data), ref.part_hash))
+        return real(ref, i, data)
+
+    monkeypatch.setattr(landing, "part_matches", spy)
+    r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=4 * PART)
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
     want = [len(data[i : i + PART]) for i in range(0, len(data), PART)]
-    assert sorted(c for c in checked if c) == sorted([*want, len(b'{"model_type": "llama"}')])
+    assert sorted(checked) == sorted(
+        (n, "blake3") for n in [*want, len(b'{"model_type": "llama"}')]
+    )
     assert r.parts == 3 + 1 and r.refetched_parts == 0 and r.refetched_files == 0
 
 
@@ -220,7 +226,7 @@ def test_persistent_corruption_fails_with_exit_1_after_bounded_refetches(
         r = runner.invoke(app, ["pull", "m", "--version", "v2", "--dest", str(dest), "--store",
                                 s3_store_url, "--part-size", "64KiB"])  # fmt: skip
     assert r.exit_code == 1, r.output
-    assert r.stderr.count("\n") == 1 and "sha256 mismatch in part 3" in r.stderr
+    assert r.stderr.count("\n") == 1 and "blake3 mismatch in part 3" in r.stderr
     assert f"after {PART_RETRIES} re-fetches" in r.stderr
     assert len(proxy.hits) == 1 + PART_RETRIES
     assert os.readlink(dest / "m/current") == "v1" and not (dest / "m/v2").exists()
@@ -248,6 +254,43 @@ def test_schema_1_manifests_still_pull_verified_whole(store, tmp_path):
         pull_release(store, "m", tmp_path / "e", version="v1", part_size=PART)
     assert len(calls) == 4 * (1 + FILE_RETRIES)
     assert not (tmp_path / "e/m/v1").exists()
+
+
+def test_schema_2_manifests_still_pull_checked_by_sha256_parts(store, tmp_path):
+    """A release published before BLAKE3 part digests: every part checked by its sha256, a
+    corrupted one caught and re-fetched alone."""
+    data = _big(4 * PART + 7)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART,
+                     schema=2)  # fmt: skip
+    raw = json.loads(store.get_bytes(release_key("m", "v1")))
+    assert raw["schema_version"] == 2 and "parts_blake3" not in raw["buckets"]["b1_s32"]["files"][0]
+    r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data and r.refetched_parts == 0
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    real, bad = store.read_range_into, [True]
+
+    def flip_once(k, start, buf):  # the first read of part 2 comes back with a flipped byte
+        n = real(k, start, buf)
+        if k == key and start == 2 * PART and bad and bad.pop():
+            buf[0] ^= 0xFF
+        return n
+
+    store.read_range_into = flip_once
+    r = pull_release(store, "m", tmp_path / "e", version="v1", part_size=PART)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data and r.refetched_parts == 1
+
+
+def test_a_forged_blake3_digest_is_caught(store, tmp_path):
+    """The BLAKE3 digests are what pull checks: one that does not match the bytes (the sha256
+    ones untouched) fails the pull, whatever the sha256 parts say."""
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": _big(3 * PART)}}, part_size=PART)
+    raw = json.loads(store.get_bytes(release_key("m", "v1")))
+    raw["buckets"]["b1_s32"]["files"][0]["parts_blake3"][1] = "0" * 64
+    raw["version"] = "v2"
+    store.put_bytes(release_key("m", "v2"), json.dumps(raw).encode())
+    with pytest.raises(IntegrityError, match="blake3 mismatch in part 1"):
+        pull_release(store, "m", tmp_path / "d", version="v2", part_size=PART)
+    assert not (tmp_path / "d/m/v2").exists()
 
 
 def test_verify_full_checks_the_whole_digest_too(store, tmp_path):
@@ -280,7 +323,7 @@ def test_newer_schema_is_refused_with_upgrade_and_exit_2(store, tmp_path):
     r = runner.invoke(app, ["pull", "m", "--version", "v3", "--dest", str(tmp_path / "d"),
                             "--store", store.url])  # fmt: skip
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
-    assert "schema 3 is newer" in r.stderr and "upgrade inf2-pipeline" in r.stderr
+    assert f"schema {MANIFEST_SCHEMA + 1} is newer" in r.stderr and "upgrade inf2-pipeline" in r.stderr
     assert not (tmp_path / "d/m/v3").exists()
 
 

@@ -75,7 +75,7 @@ def test_publish_writes_a_manifest_naming_every_file_and_fact(store_url, tmp_pat
     store = open_store(store_url)
     _assert_complete(store, "tiny", "v1")
     m = read_release(store, "tiny", "v1")
-    assert m.schema_version == 2 and m.model == "tiny" and m.backend == "cpu"
+    assert m.schema_version == 3 and m.model == "tiny" and m.backend == "cpu"
     # compile (bucket files) and publish (checkpoint files) record part digests as they hash
     for _, ref in m.iter_files():
         data = store.get_bytes(blob_key(ref.sha256))

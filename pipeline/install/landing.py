@@ -1,5 +1,5 @@
 """Landing one range: fetched from the store into this thread's buffer, each manifest part
-checked against its sha256 there (a bad one fetched again, alone), then written at its offset
+checked against its digest there (BLAKE3 where the manifest has it, else sha256) (a bad one fetched again, alone), then written at its offset
 with ``pwrite`` into a preallocated temporary file; and the retries of a transport error."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TypeVar
 from pipeline._files import FILE_MODE, user_visible
 from pipeline.errors import IntegrityError, PipelineError, StoreError
 from pipeline.store.base import Store
-from pipeline.store.refs import FileRef
+from pipeline.store.refs import FileRef, part_matches
 
 RETRIES = 6  # transport errors (throttling, 5xx, resets) per request
 
@@ -60,7 +60,7 @@ class Landed:
 def land_range(store: Store, job: RangeJob, open_fd: Callable[[], int]) -> Landed:
     """Land ``job`` into the file ``open_fd()`` returns (asked for once the bytes are in,
     unless resuming): the range is read into this thread's buffer, each manifest part is
-    checked against its sha256 there and written from there, and a bad one is fetched
+    checked against its digest there and written from there, and a bad one is fetched
     again, alone, into its place in the buffer (up to ``PART_RETRIES`` times)."""
     ref, key, start, length = job.ref, job.key, job.start, job.length
     buf = _buffer(length)
@@ -116,7 +116,7 @@ def _already_there(fd: int, ref: FileRef, start: int, buf: memoryview) -> bool:
     for i in _parts_of(ref, start, len(buf)):
         off, n = ref.part_range(i)
         part = buf[off - start : off - start + n]
-        if os.preadv(fd, [part], off) != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
+        if os.preadv(fd, [part], off) != n or not part_matches(ref, i, part):
             return False
     return True
 
@@ -134,11 +134,11 @@ def _write_parts(
         part = buf[off - start : off - start + n]
         have = min(n, max(0, got - (off - start)))  # a short read leaves the tail parts short
         tries = 0
-        while have != n or hashlib.sha256(part).hexdigest() != ref.parts[i]:
+        while have != n or not part_matches(ref, i, part):
             if tries == PART_RETRIES:
                 raise IntegrityError(
                     f"{ref.path} ({job.key})",
-                    f"sha256 mismatch in part {i} (bytes {off}-{off + n - 1}) after "
+                    f"{ref.part_hash} mismatch in part {i} (bytes {off}-{off + n - 1}) after "
                     f"{PART_RETRIES} re-fetches",
                     "the stored blob is corrupt; republish the release",
                 )

@@ -20,8 +20,9 @@ from pipeline.store.refs import FileRef
 
 # 2: FileRef.part_size and FileRef.parts (per-part sha256, for verified parallel pulls), and
 # BucketEntry.weights_key (graphs and prepared weights cached apart: a fine-tune recompiles
-# nothing). Readers take any schema up to theirs; a newer one is "upgrade inf2-pipeline".
-MANIFEST_SCHEMA = 2
+# nothing). 3: FileRef.parts_blake3 (each part's BLAKE3, which pull checks: pipeline.store.refs).
+# Readers take any schema up to theirs; a newer one is "upgrade inf2-pipeline".
+MANIFEST_SCHEMA = 3
 
 
 class BucketEntry(BaseModel):
