@@ -323,7 +323,8 @@ def test_newer_schema_is_refused_with_upgrade_and_exit_2(store, tmp_path):
     r = runner.invoke(app, ["pull", "m", "--version", "v3", "--dest", str(tmp_path / "d"),
                             "--store", store.url])  # fmt: skip
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
-    assert f"schema {MANIFEST_SCHEMA + 1} is newer" in r.stderr and "upgrade inf2-pipeline" in r.stderr
+    assert f"schema {MANIFEST_SCHEMA + 1} is newer" in r.stderr
+    assert "upgrade inf2-pipeline" in r.stderr
     assert not (tmp_path / "d/m/v3").exists()
 
 

@@ -1,6 +1,7 @@
 """Landing one range: fetched from the store into this thread's buffer, each manifest part
-checked against its digest there (BLAKE3 where the manifest has it, else sha256) (a bad one fetched again, alone), then written at its offset
-with ``pwrite`` into a preallocated temporary file; and the retries of a transport error."""
+checked there against its digest (BLAKE3 where the manifest has it, else sha256; a bad one
+fetched again, alone), then written at its offset with ``pwrite`` into a preallocated
+temporary file; and the retries of a transport error."""
 
 from __future__ import annotations
 
