@@ -57,6 +57,7 @@ from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.s3 import GETS_ENV
 
 BUCKET = "bench-bucket"
+SHA256_ONLY = "v1-sha256"  # the release as schema 2 wrote it
 NGINX_CONF = """
 daemon off; worker_processes auto; pid {root}/nginx.pid; error_log {root}/nginx.err;
 events {{ worker_connections 256; }}
@@ -121,6 +122,12 @@ def make_release(store: LocalStore, work: Path, gib: float, files: int) -> Manif
         buckets={"b1_s128": BucketEntry(batch=1, seq=128, cache_key="0" * 64, files=refs)},
     )
     store.put_bytes(release_key("bench", "v1"), m.model_dump_json().encode())
+    # the same bytes as schema 2 published them: sha256 part digests only (the --pulls
+    # variant lean-sha256), to measure what checking by BLAKE3 saves
+    old = [r.model_copy(update={"parts_blake3": None}) for r in refs]
+    m2 = m.model_copy(update={"schema_version": 2, "version": SHA256_ONLY, "buckets": {
+        "b1_s128": BucketEntry(batch=1, seq=128, cache_key="0" * 64, files=old)}})  # fmt: skip
+    store.put_bytes(release_key("bench", SHA256_ONLY), m2.model_dump_json().encode())
     return m
 
 
@@ -154,6 +161,7 @@ if sys.argv[4] == "stages":  # wall seconds inside each call that releases the G
         return call
     socket.SocketIO.readinto = timed("socket reads", socket.SocketIO.readinto)
     landing.hashlib = type("H", (), {"sha256": staticmethod(timed("sha256", hashlib.sha256))})
+    landing.part_matches = timed("part digests", landing.part_matches)
     landing.os.pwrite = timed("pwrite", landing.os.pwrite)
     landing._read = timed("ranged GETs (reads included)", landing._read)
 if sys.argv[4] == "unverified":  # diagnostic: the transport alone, every digest taken as equal
@@ -166,11 +174,12 @@ if sys.argv[4] == "unverified":  # diagnostic: the transport alone, every digest
         def update(self, data): pass
         def hexdigest(self): return Equal()
     landing.hashlib = type("H", (), {"sha256": NoHash})
+    landing.part_matches = lambda ref, i, data: True
 c = int(sys.argv[3]) or None  # 0: pull's default
 t = time.perf_counter()
 store = S3Store.from_url(sys.argv[1])
 store_s = time.perf_counter() - t
-r = pull.pull_release(store, "bench", Path(sys.argv[2]), version="v1", concurrency=c)
+r = pull.pull_release(store, "bench", Path(sys.argv[2]), version=sys.argv[5], concurrency=c)
 hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
 print(json.dumps({**r.to_dict(), "peak_rss": int(hwm) * 1024, "import_s": imported,
                   "store_s": store_s, "stages": stages}))
@@ -197,8 +206,15 @@ def main() -> None:
         help="where the store and every download go (default: the temp dir). /dev/shm "
         "takes the disk out: on a disk every other run can be twice as slow",
     )
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated, of curl, boto3 (those baselines), stages (the timed-calls and "
+        "unverified diagnostics), gil (the one-thread GIL figure): what a 16 GiB run can spare",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    args.skip = {k.strip() for k in args.skip.split(",") if k.strip()}
     args.pulls = [_pull_variant(v) for v in args.pulls.split(",")]
     for tool, path in (("nginx", args.nginx), ("s5cmd", args.s5cmd)):
         if not Path(path).exists():
@@ -223,10 +239,21 @@ def main() -> None:
 def _pull_variant(spec: str) -> tuple[str, str, int]:
     """``lean:64`` -> ("pull, lean GETs, concurrency 64", "lean", 64)."""
     gets, _, c = spec.partition(":")
-    if gets not in ("lean", "botocore") or not (c or "0").isdigit():
-        sys.exit(f"error: --pulls: {spec!r} is not GETS[:CONCURRENCY] (e.g. lean:64, botocore)")
+    if gets not in ("lean", "botocore", "lean-sha256") or not (c or "0").isdigit():
+        sys.exit(
+            f"error: --pulls: {spec!r} is not GETS[:CONCURRENCY] (GETS: lean, lean-sha256 or "
+            "botocore; e.g. lean:64)"
+        )
     n = int(c or 0)
-    return f"pull, {gets} GETs" + (f", concurrency {n}" if n else ""), gets, n
+    label = f"pull, {gets.removesuffix('-sha256')} GETs" + (f", concurrency {n}" if n else "")
+    return label + (", sha256 parts (schema 2)" if gets.endswith("-sha256") else ""), gets, n
+
+
+def _gets_and_version(gets: str) -> tuple[str, str]:
+    """A --pulls GETS as (INF2_PIPELINE_S3_GETS, the release version it pulls)."""
+    if gets.endswith("-sha256"):
+        return gets.removesuffix("-sha256"), SHA256_ONLY
+    return gets, "v1"
 
 
 def bench_shape(args: argparse.Namespace, files: int) -> dict:
@@ -290,10 +317,11 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         pulls: dict[str, list[dict]] = {}
 
         def pull(label: str, gets: str, concurrency: int, mode: str = "-") -> dict:
-            # mode: "-" the pull as it is; "stages" timing calls; "unverified" no sha256
+            # mode: "-" the pull as it is; "stages" timing calls; "unverified" no digests
+            gets, version = _gets_and_version(gets)
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
-                 str(root / "pulled"), str(concurrency or args.concurrency), mode],
+                 str(root / "pulled"), str(concurrency or args.concurrency), mode, version],
                 check=True, capture_output=True, text=True,
                 cwd=Path(__file__).resolve().parent.parent,
                 env={**os.environ, **env, GETS_ENV: gets},
@@ -312,6 +340,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             ("s5cmd, then sha256sum of each file", s5cmd_sha256, dest),
             ("boto3 download_file (defaults)", boto, dest),
         ]
+        methods = [m for m in methods if m[0].split()[0] not in args.skip]
         for label, gets, concurrency in args.pulls:
             methods.append((label, partial(pull, label, gets, concurrency), root / "pulled"))
         for name, fn, cleanup in methods:
@@ -348,19 +377,23 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 "memory_bound": bound,
                 "vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
                 "vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
-                "vs_boto3": rows["boto3 download_file (defaults)"] / pull_s,
-                "vs_curl": rows["curl → /dev/null (raw loopback)"] / pull_s,
             }
+            for key, name in (("vs_boto3", "boto3 download_file (defaults)"),
+                              ("vs_curl", "curl → /dev/null (raw loopback)")):  # fmt: skip
+                if name in rows:
+                    shape["pulls"][label][key] = rows[name] / pull_s
             r = shape["pulls"][label]
             rss = r["peak_rss"] / 2**20
             print(
                 f"{label}: {r['vs_s5cmd']:.2f}× s5cmd, {r['vs_s5cmd_sha256']:.2f}× s5cmd + "
-                f"sha256sum, {r['vs_boto3']:.2f}× boto3, {r['vs_curl']:.2f}× raw curl (higher "
-                f"is faster); peak RSS {rss:.0f} MiB against 2 × c × part + "
-                f"200 MiB = {bound / 2**20:.0f} MiB",
+                f"sha256sum, {r.get('vs_boto3', 0):.2f}× boto3, {r.get('vs_curl', 0):.2f}× raw "
+                f"curl (higher is faster; 0: skipped); peak RSS {rss:.0f} MiB against "
+                f"2 × c × part + 200 MiB = {bound / 2**20:.0f} MiB",
                 flush=True,
             )
         for label, gets, concurrency in args.pulls:
+            if "stages" in args.skip:
+                break
             # One more run, each call that releases the GIL timed: where the threads wait.
             staged = pull(label, gets, concurrency, mode="stages")
             shutil.rmtree(root / "pulled")
@@ -398,6 +431,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         shape["gil_s_per_gb"] = {}
         done: set[str] = set()
         for label, gets, _ in args.pulls:
+            if "gil" in args.skip:
+                break
             if gets in done:  # one thread's figure: the same at any concurrency
                 continue
             done.add(gets)
@@ -440,6 +475,9 @@ def gil_held_per_gb(refs: list, gets: str, tmp: Path) -> float:
 
         return call
 
+    gets, version = _gets_and_version(gets)
+    if version == SHA256_ONLY:
+        refs = [r.model_copy(update={"parts_blake3": None}) for r in refs]
     store = S3Store.from_url(f"s3://{BUCKET}/store?addressing_style=path", lean_gets=gets == "lean")
     fd = landing.preallocated(tmp, max(r.size for r in refs))  # one file: bytes land anywhere
     jobs = [
@@ -447,18 +485,20 @@ def gil_held_per_gb(refs: list, gets: str, tmp: Path) -> float:
                       min(pull.DEFAULT_PART, r.size - off), False, False)
         for r in refs for off in range(0, r.size, pull.DEFAULT_PART)
     ]  # fmt: skip
-    saved = socket.SocketIO.readinto, landing.hashlib, landing.os.pwrite
+    saved = socket.SocketIO.readinto, landing.hashlib, landing.os.pwrite, landing.part_matches
     try:
         landing.land_range(store, jobs[0], lambda: fd)  # warm: the connection, the buffer
         socket.SocketIO.readinto = timed_free(saved[0])  # type: ignore[method-assign]
         landing.hashlib = type("H", (), {"sha256": staticmethod(timed_free(hashlib.sha256))})
+        landing.part_matches = timed_free(saved[3])
         landing.os.pwrite = timed_free(saved[2])
         t = time.thread_time()
         for job in jobs:
             landing.land_range(store, job, lambda: fd)
         cpu = time.thread_time() - t
     finally:
-        socket.SocketIO.readinto, landing.hashlib, landing.os.pwrite = saved  # type: ignore[misc]
+        (socket.SocketIO.readinto, landing.hashlib, landing.os.pwrite,
+         landing.part_matches) = saved  # type: ignore[misc]  # fmt: skip
         os.close(fd)
         tmp.unlink()
     return (cpu - free[0]) / (sum(r.size for r in refs) / 1e9)
@@ -489,12 +529,39 @@ def _wait_listening(port: int, timeout: float = 10.0) -> None:
             time.sleep(0.05)
 
 
+def import_costs(top: int = 8) -> dict[str, float]:
+    """What the pull imports before its first GET: ``python -X importtime`` of its modules,
+    each package's own import seconds (every module of it, however deep), largest first (a
+    second run: the first may write bytecode)."""
+    cmd = [sys.executable, "-X", "importtime", "-c",
+           "import pipeline.install.pull, pipeline.store.s3"]  # fmt: skip
+    root = Path(__file__).resolve().parent.parent
+    for _ in range(2):
+        err = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=root).stderr
+    by_package: dict[str, float] = {}
+    for line in err.splitlines():
+        _, _, rest = line.partition("import time:")
+        fields = rest.split("|")
+        if len(fields) != 3 or not fields[0].strip().isdigit():
+            continue
+        package = fields[2].strip().split(".")[0]
+        by_package[package] = by_package.get(package, 0.0) + int(fields[0]) / 1e6
+    ranked = sorted(by_package.items(), key=lambda kv: -kv[1])
+    return {"total_s": sum(by_package.values()), **dict(ranked[:top])}
+
+
 def other_figures(results: dict) -> None:
     grid = [Bucket(b, s) for b in (1, 2, 4, 8, 16, 32) for s in range(128, 8193, 128)]
     n = 20_000
     t = timed(lambda: [select_bucket(grid, 1 + i % 32, 1 + (i * 37) % 8192) for i in range(n)])
     results["select_us_per_call_384_buckets"] = t / n * 1e6
     print(f"select_bucket over {len(grid)} buckets: {t / n * 1e6:.1f} µs per call")
+    imports = import_costs()
+    results["imports_before_first_get"] = imports
+    print(
+        f"imports before the first GET: {imports['total_s'] * 1e3:.0f} ms; largest: "
+        + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in imports.items() if k != "total_s")
+    )
     cli = Path(sys.executable).parent / "inf2-pipeline"
     if not cli.exists():
         return
