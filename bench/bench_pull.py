@@ -212,6 +212,7 @@ def main() -> None:
         help="comma-separated, of curl, boto3 (those baselines), stages (the timed-calls and "
         "unverified diagnostics), gil (the one-thread GIL figure): what a 16 GiB run can spare",
     )
+    ap.add_argument("--best-of", type=int, default=2, help="runs of each method (best taken)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.skip = {k.strip() for k in args.skip.split(",") if k.strip()}
@@ -348,7 +349,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             # boto3, which runs in here). On the 2-core VM every other run of the same method
             # was about twice as slow and took twice the CPU (its disk is mounted with
             # `discard`), so an average of two would mostly measure that.
-            best, best_cpu = min(_run(fn, cleanup) for _ in range(2))
+            best, best_cpu = min(_run(fn, cleanup) for _ in range(args.best_of))
             rows[name] = best
             cpu[name] = best_cpu / gb
             line = f"{name:44s} {best:7.2f} s  {gb / best:6.2f} GB/s  {cpu[name]:5.2f} CPU-s/GB"
@@ -399,7 +400,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             shutil.rmtree(root / "pulled")
             # And the transport alone, sha256 skipped (best of two): what hashing costs.
             unverified = partial(pull, label, gets, concurrency, "unverified")
-            bare = min(_run(unverified, root / "pulled") for _ in range(2))
+            bare = min(_run(unverified, root / "pulled") for _ in range(args.best_of))
             shape["pulls"][label]["unverified_gb_per_s"] = gb / bare[0]
             print(
                 f"{label}: without sha256 (diagnostic) {gb / bare[0]:.2f} GB/s, "
