@@ -9,8 +9,8 @@ Since schema 3 a ref also carries each part's BLAKE3 digest, and ``pull`` checks
 it where the ref has one (``part_matches``): BLAKE3 costs a quarter to a third of SHA-256's
 CPU per byte (even with SHA-NI), and on a node that lands GB/s hashing is the pull's largest
 CPU cost (docs/pull.md, "BLAKE3 part digests"). It is as strong for this use: the signed
-manifest names the digest, and BLAKE3's 128-bit security (second preimage included) is the
-level of the release's signature itself.
+manifest names the digest, and BLAKE3's 128-bit security (second preimage included) is no
+less than the release signature's own.
 """
 
 from __future__ import annotations
