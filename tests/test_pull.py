@@ -113,7 +113,7 @@ def test_corrupted_blob_fails_and_leaves_previous_install(store, tmp_path):
     # same size, different bytes: the first byte flipped (a fixed b"X" would leave a random
     # blob that already starts with X unchanged, one run in 256)
     store.put_bytes(key, bytes([data[0] ^ 0xFF]) + data[1:])
-    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+    with pytest.raises(IntegrityError, match="blake3 mismatch"):
         pull_release(store, "m", dest, version="v2")
     assert os.readlink(dest / "m" / "current") == "v1"
     assert not (dest / "m" / "v2").exists()
@@ -121,7 +121,7 @@ def test_corrupted_blob_fails_and_leaves_previous_install(store, tmp_path):
     r = runner.invoke(
         app, ["pull", "m", "--version", "v2", "--dest", str(dest), "--store", store.url]
     )
-    assert r.exit_code == 1 and "sha256 mismatch" in r.stderr
+    assert r.exit_code == 1 and "blake3 mismatch" in r.stderr
 
 
 @pytest.mark.parametrize("evil", ["../escape.bin", "/etc/evil", "a/../../x", "", "./x", "a//b"])
