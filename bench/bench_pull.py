@@ -146,7 +146,18 @@ import pipeline.install.pull as pull
 import pipeline.install.landing as landing
 from pipeline.store.s3 import S3Store
 imported = time.perf_counter() - started
-stages = {}
+lowat = int(__import__("os").environ.get("INF2_BENCH_RCVLOWAT", "0"))
+if lowat:  # experiment (--pulls lean-lowat): a large socket read waits for this many bytes,
+    import socket  # so a range takes a few reads, each one GIL turn, not one per packet burst
+    plain_readinto = socket.SocketIO.readinto
+    def readinto(self, b):
+        want = min(lowat, len(b)) if len(b) > 1 << 16 else 1  # headers: as they come
+        if getattr(self, "lowat", 1) != want:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            self.lowat = want
+        return plain_readinto(self, b)
+    socket.SocketIO.readinto = readinto
+stages, calls = {}, {}
 if sys.argv[4] == "stages":  # wall seconds inside each call that releases the GIL, all threads
     import hashlib, socket, threading
     lock = threading.Lock()
@@ -158,6 +169,7 @@ if sys.argv[4] == "stages":  # wall seconds inside each call that releases the G
             finally:
                 with lock:
                     stages[name] = stages.get(name, 0.0) + time.perf_counter() - t
+                    calls[name] = calls.get(name, 0) + 1
         return call
     socket.SocketIO.readinto = timed("socket reads", socket.SocketIO.readinto)
     landing.hashlib = type("H", (), {"sha256": staticmethod(timed("sha256", hashlib.sha256))})
@@ -182,7 +194,7 @@ store_s = time.perf_counter() - t
 r = pull.pull_release(store, "bench", Path(sys.argv[2]), version=sys.argv[5], concurrency=c)
 hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
 print(json.dumps({**r.to_dict(), "peak_rss": int(hwm) * 1024, "import_s": imported,
-                  "store_s": store_s, "stages": stages}))
+                  "store_s": store_s, "stages": stages, "calls": calls}))
 """
 
 
@@ -240,21 +252,32 @@ def main() -> None:
 def _pull_variant(spec: str) -> tuple[str, str, int]:
     """``lean:64`` -> ("pull, lean GETs, concurrency 64", "lean", 64)."""
     gets, _, c = spec.partition(":")
-    if gets not in ("lean", "botocore", "lean-sha256") or not (c or "0").isdigit():
+    if gets not in VARIANTS or not (c or "0").isdigit():
         sys.exit(
-            f"error: --pulls: {spec!r} is not GETS[:CONCURRENCY] (GETS: lean, lean-sha256 or "
-            "botocore; e.g. lean:64)"
+            f"error: --pulls: {spec!r} is not GETS[:CONCURRENCY] (GETS: {', '.join(VARIANTS)}; "
+            "e.g. lean:64)"
         )
     n = int(c or 0)
-    label = f"pull, {gets.removesuffix('-sha256')} GETs" + (f", concurrency {n}" if n else "")
-    return label + (", sha256 parts (schema 2)" if gets.endswith("-sha256") else ""), gets, n
+    base, _, what = gets.partition("-")
+    label = f"pull, {base} GETs" + (f", concurrency {n}" if n else "")
+    return label + (f", {VARIANTS[gets]}" if what else ""), gets, n
+
+
+# --pulls GETS: the GET path, then what the variant changes
+VARIANTS = {
+    "lean": "",
+    "botocore": "",
+    "lean-sha256": "sha256 parts (schema 2)",
+    "lean-lowat": "SO_RCVLOWAT 1 MiB (experiment)",
+}
+LOWAT = 1 << 20
 
 
 def _gets_and_version(gets: str) -> tuple[str, str]:
     """A --pulls GETS as (INF2_PIPELINE_S3_GETS, the release version it pulls)."""
     if gets.endswith("-sha256"):
         return gets.removesuffix("-sha256"), SHA256_ONLY
-    return gets, "v1"
+    return gets.removesuffix("-lowat"), "v1"
 
 
 def bench_shape(args: argparse.Namespace, files: int) -> dict:
@@ -319,13 +342,14 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
 
         def pull(label: str, gets: str, concurrency: int, mode: str = "-") -> dict:
             # mode: "-" the pull as it is; "stages" timing calls; "unverified" no digests
+            lowat = {"INF2_BENCH_RCVLOWAT": str(LOWAT)} if gets.endswith("-lowat") else {}
             gets, version = _gets_and_version(gets)
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
                  str(root / "pulled"), str(concurrency or args.concurrency), mode, version],
                 check=True, capture_output=True, text=True,
                 cwd=Path(__file__).resolve().parent.parent,
-                env={**os.environ, **env, GETS_ENV: gets},
+                env={**os.environ, **env, GETS_ENV: gets, **lowat},
             )  # fmt: skip
             result = json.loads(out.stdout)
             if mode == "-":
@@ -414,7 +438,11 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 "store_seconds": staged["store_s"],  # the boto3 client, the TLS context
                 "threads": threads,
                 "thread_seconds": staged["stages"],
+                "calls": staged["calls"],
             }
+            reads = staged["calls"].get("socket reads", 0)
+            if reads:  # how much one socket read brings, on average
+                print(f"{label}: {reads} socket reads, {total / reads / 1024:.0f} KiB each")
             share = ", ".join(
                 f"{k} {v / (threads * staged['seconds']):.0%}" for k, v in staged["stages"].items()
             )
