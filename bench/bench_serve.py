@@ -142,6 +142,17 @@ class Answer:
     latency: float = 0.0  # s from sending to the last event
 
 
+def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
+    """When each of ``n`` requests is due, in seconds from the start: a Poisson process of
+    ``rate`` requests a second (exponential gaps), the first at 0."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
 def replay(
     url: str,
     name: str,
@@ -149,10 +160,15 @@ def replay(
     concurrency: int,
     timeout: float,
     sampling: dict[str, float] | None = None,
+    arrivals: list[float] | None = None,
 ) -> tuple[float, list[Answer | None], list[str]]:
     """Send every request from ``concurrency`` client threads, each on its own keep-alive
     connection, streaming; returns (seconds, answers in request order, errors).
     ``sampling``: sampling fields for every request (with ``seed``: its index).
+    ``arrivals``: open loop, request i is due that many seconds after the start (a thread
+    free by then sends it then, else as soon as one frees), and its TTFT and latency count
+    from when it was due, so a pool too small to keep up shows as waiting, not as speed.
+    Without: closed loop, each thread sends its next request when its last one ends.
 
     While streaming, a thread only stamps each ``data:`` line with its arrival time; the
     JSON is parsed after the clock stops, so parsing does not delay the other threads."""
@@ -165,6 +181,11 @@ def replay(
 
     def one(conn: http.client.HTTPConnection, i: int, body: bytes) -> None:
         t0 = time.perf_counter()
+        if arrivals is not None:
+            due = start + arrivals[i]
+            if due > t0:
+                time.sleep(due - t0)
+            t0 = due
         conn.request("POST", "/v1/completions", body, headers)
         r = conn.getresponse()
         if r.status != 200:
@@ -222,7 +243,7 @@ def replay(
             conn.close()
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    t0 = time.perf_counter()
+    start = t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
@@ -686,7 +707,12 @@ def serve_ways(
                 before = scrape(url)
                 sampling = SAMPLED if way == "sampled" else None
                 t0 = time.monotonic()
-                wall, answers, errs = replay(url, name, work, conc, args.request_timeout, sampling)
+                due = None  # closed loop, or open at --rate (the lone request stays alone)
+                if args.rate and way != "lone":
+                    due = poisson_arrivals(len(work), args.rate, args.seed)
+                wall, answers, errs = replay(
+                    url, name, work, conc, args.request_timeout, sampling, due
+                )
                 t1 = time.monotonic()
                 after = scrape(url)
                 # sampled answers are draws, not the greedy answer alone: not compared
@@ -805,7 +831,8 @@ def print_table(result: dict[str, Any]) -> None:
         f"{w['requests']} requests from {w['trace']} (seed {w['seed']}, p95 scaled to "
         f"{w['scale_to']} positions): {w['prompt_tokens']} prompt and {w['output_tokens']} "
         f"output tokens. {result['model']} {result['version']} on {result['device_name']}, "
-        f"buckets {', '.join(result['buckets'])}; best of {result['rounds']} round(s)."
+        f"buckets {', '.join(result['buckets'])}; best of {result['rounds']} round(s); "
+        f"arrivals: {w.get('arrivals', 'closed loop')}."
     )
     for name, s in result["steady_decode"].items():
         if "tokens_per_s" in s:
@@ -954,6 +981,14 @@ def main() -> None:
         help=f"the server ways to run, of {','.join(WAYS)}; none: only the in-process figures "
         "(and --peer), without answers alone",
     )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="open loop: requests arrive as a Poisson process of this many a second (TTFT at "
+        "a load below saturation), sent from --concurrency client connections; the lone "
+        "request stays one at a time. Default: closed loop (each client sends its next "
+        "request when its last one ends)",
+    )
     ap.add_argument("--json", type=Path, help="write every figure here (after every stage)")
     ap.add_argument(
         "--tolerate-mismatch",
@@ -1070,6 +1105,7 @@ def main() -> None:
             "asked_output_tokens": sum(g for _, g in work),
             "output_tokens": out_tokens,
             "output_tokens_are": "the answers alone" if alone else "max_tokens (--ways none)",
+            "arrivals": f"open loop, Poisson at {args.rate}/s" if args.rate else "closed loop",
         },
         "rounds": args.rounds,
         "serve_args": args.serve_arg,

@@ -1,0 +1,86 @@
+"""bench_serve.py's open loop (``--rate``): requests go out when they are due, not when a
+client frees, and their TTFT counts from when they were due. Against a stub SSE server that
+answers one token after a fixed delay, so what is checked is the client's clock, not a model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import bench_serve
+
+DELAY = 0.2  # the stub's time to first token: long beside a loaded machine's hiccups
+
+
+class _Stub(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    sent: ClassVar[list[float]] = []
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        _Stub.sent.append(time.perf_counter())
+        time.sleep(DELAY)
+        chunk = json.dumps({"choices": [{"token_ids": [7]}]})
+        body = f"data: {chunk}\n\ndata: [DONE]\n\n".encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def stub_url():
+    _Stub.sent = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Stub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_poisson_arrivals_start_at_zero_rise_and_keep_their_rate():
+    due = bench_serve.poisson_arrivals(4000, rate=50.0, seed=3)
+    assert due[0] == 0.0 and all(b > a for a, b in itertools.pairwise(due))
+    assert due == bench_serve.poisson_arrivals(4000, rate=50.0, seed=3)  # seeded
+    assert 4000 / due[-1] == pytest.approx(50.0, rel=0.1)
+
+
+def test_open_loop_sends_each_request_when_due_and_counts_ttft_from_then(stub_url):
+    work = [([1, 2, 3], 1)] * 4
+    due = [0.0, 0.3, 0.6, 0.9]  # a client is free for each: 4 clients
+    before = time.perf_counter()
+    wall, answers, errors = bench_serve.replay(stub_url, "m", work, 4, 10.0, arrivals=due)
+    assert not errors and all(a is not None and a.ids == [7] for a in answers)
+    # none went out before it was due (lower bounds only: a loaded machine may be late)
+    assert all(t >= before + d for t, d in zip(sorted(_Stub.sent), due, strict=True))
+    assert wall >= 0.9 + DELAY
+    assert all(a.ttft >= DELAY for a in answers)
+
+
+def test_open_loop_with_too_few_clients_shows_the_wait_in_ttft(stub_url):
+    """All four due at once, one client: the last waits for three answers before it is sent,
+    and that wait is in its TTFT (from when it was due), not hidden as if it had just come."""
+    work = [([1], 1)] * 4
+    _, answers, errors = bench_serve.replay(stub_url, "m", work, 1, 10.0, arrivals=[0.0] * 4)
+    assert not errors
+    assert answers[3].ttft >= 4 * DELAY
+    # closed loop, one client: each request's clock starts when it is sent
+    _, closed, _ = bench_serve.replay(stub_url, "m", work, 1, 10.0)
+    assert closed[3].ttft < answers[3].ttft - 2 * DELAY
