@@ -11,8 +11,9 @@ baselines measured in the same run on the same endpoint:
   ``botocore`` (``get_object(...)["Body"].read()``, the path before; chosen by
   ``INF2_PIPELINE_S3_GETS``), with CONCURRENCY ranged GETs in flight (0 or absent:
   ``--concurrency``, else pull's default for this machine); ``lean-sha256`` pulls the same
-  bytes published as schema 2 did (parts checked by sha256, not BLAKE3), and ``lean-lowat``
-  is an experiment (each large socket read waits for 1 MiB: fewer GIL turns a range).
+  bytes published as schema 2 did (parts checked by sha256, not BLAKE3); two experiments:
+  ``lean-lowat`` (each large socket read waits for 1 MiB: fewer GIL turns a range) and
+  ``lean-procsN`` (the ranges landed by N forked worker processes, one GIL each).
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import socket
@@ -160,6 +162,62 @@ if lowat:  # experiment (--pulls lean-lowat): a large socket read waits for this
             self.lowat = want
         return plain_readinto(self, b)
     socket.SocketIO.readinto = readinto
+procs = int(__import__("os").environ.get("INF2_BENCH_PROCESSES", "0"))
+if procs:  # experiment (--pulls lean-procsN): the ranges landed by N forked processes, one
+    import ctypes, os, signal  # GIL each, the in-flight ranges shared out between them
+    from pipeline._progress import ByteProgress
+    Threads = pull.Fetcher
+    COUNTS = ("downloaded", "parts", "refetched_parts", "refetched_files", "resumed")
+    class Forking:
+        def __init__(self, store, concurrency, part_size, verify):
+            self.args = (store, max(1, concurrency // procs), part_size, verify)
+            for name in COUNTS:
+                setattr(self, name, 0)
+        def fetch_all(self, jobs, progress):
+            groups, sizes = [[] for _ in range(procs)], [0] * procs
+            for job in sorted(jobs, key=lambda j: -j[1].size):  # even bytes per process
+                k = sizes.index(min(sizes))
+                groups[k].append(job)
+                sizes[k] += job[1].size
+            children = []
+            for group in filter(None, groups):
+                r, w = os.pipe()
+                pid = os.fork()
+                if pid == 0:
+                    os.close(r)
+                    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+                    code = 1
+                    try:
+                        f = Threads(*self.args)
+                        f.fetch_all(group, ByteProgress(None, None))
+                        out = {"counts": [getattr(f, name) for name in COUNTS],
+                               "stages": stages, "calls": calls}
+                        code = 0
+                    except BaseException as e:
+                        out = repr(e)
+                    os.write(w, json.dumps(out).encode())
+                    os._exit(code)
+                os.close(w)
+                children.append((pid, r))
+            failed = []
+            for pid, r in children:
+                data = b""
+                while chunk := os.read(r, 1 << 16):
+                    data += chunk
+                os.close(r)
+                out = json.loads(data or b'"no report"')
+                if os.waitpid(pid, 0)[1]:
+                    failed.append(out)
+                    continue
+                for name, n in zip(COUNTS, out["counts"]):
+                    setattr(self, name, getattr(self, name) + n)
+                for name, t in out["stages"].items():  # each child's timed calls, summed
+                    stages[name] = stages.get(name, 0.0) + t
+                for name, n in out["calls"].items():
+                    calls[name] = calls.get(name, 0) + n
+            if failed:
+                raise RuntimeError(f"worker processes failed: {failed}")
+    pull.Fetcher = Forking
 stages, calls = {}, {}
 if sys.argv[4] == "stages":  # wall seconds inside each call that releases the GIL, all threads
     import hashlib, socket, threading
@@ -195,8 +253,11 @@ t = time.perf_counter()
 store = S3Store.from_url(sys.argv[1])
 store_s = time.perf_counter() - t
 r = pull.pull_release(store, "bench", Path(sys.argv[2]), version=sys.argv[5], concurrency=c)
-hwm = open("/proc/self/status").read().split("VmHWM:")[1].split()[0]
-print(json.dumps({**r.to_dict(), "peak_rss": int(hwm) * 1024, "import_s": imported,
+hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
+if procs:  # the workers run together: at most each one's peak, all at once, beside ours
+    import resource
+    hwm += procs * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print(json.dumps({**r.to_dict(), "peak_rss": hwm, "import_s": imported,
                   "store_s": store_s, "stages": stages, "calls": calls}))
 """
 
@@ -255,6 +316,8 @@ def main() -> None:
 def _pull_variant(spec: str) -> tuple[str, str, int]:
     """``lean:64`` -> ("pull, lean GETs, concurrency 64", "lean", 64)."""
     gets, _, c = spec.partition(":")
+    if re.fullmatch(r"lean-procs[1-9][0-9]*", gets):
+        VARIANTS[gets] = f"{gets.removeprefix('lean-procs')} worker processes (experiment)"
     if gets not in VARIANTS or not (c or "0").isdigit():
         sys.exit(
             f"error: --pulls: {spec!r} is not GETS[:CONCURRENCY] (GETS: {', '.join(VARIANTS)}; "
@@ -272,6 +335,7 @@ VARIANTS = {
     "botocore": "",
     "lean-sha256": "sha256 parts (schema 2)",
     "lean-lowat": "SO_RCVLOWAT 1 MiB (experiment)",
+    # and lean-procsN: N worker processes (experiment)
 }
 LOWAT = 1 << 20
 
@@ -280,7 +344,7 @@ def _gets_and_version(gets: str) -> tuple[str, str]:
     """A --pulls GETS as (INF2_PIPELINE_S3_GETS, the release version it pulls)."""
     if gets.endswith("-sha256"):
         return gets.removesuffix("-sha256"), SHA256_ONLY
-    return gets.removesuffix("-lowat"), "v1"
+    return gets.partition("-")[0], "v1"
 
 
 def bench_shape(args: argparse.Namespace, files: int) -> dict:
@@ -345,14 +409,16 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
 
         def pull(label: str, gets: str, concurrency: int, mode: str = "-") -> dict:
             # mode: "-" the pull as it is; "stages" timing calls; "unverified" no digests
-            lowat = {"INF2_BENCH_RCVLOWAT": str(LOWAT)} if gets.endswith("-lowat") else {}
+            experiment = {"INF2_BENCH_RCVLOWAT": str(LOWAT)} if gets.endswith("-lowat") else {}
+            if gets.startswith("lean-procs"):
+                experiment = {"INF2_BENCH_PROCESSES": gets.removeprefix("lean-procs")}
             gets, version = _gets_and_version(gets)
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
                  str(root / "pulled"), str(concurrency or args.concurrency), mode, version],
                 check=True, capture_output=True, text=True,
                 cwd=Path(__file__).resolve().parent.parent,
-                env={**os.environ, **env, GETS_ENV: gets, **lowat},
+                env={**os.environ, **env, GETS_ENV: gets, **experiment},
             )  # fmt: skip
             result = json.loads(out.stdout)
             if mode == "-":
