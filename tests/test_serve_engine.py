@@ -22,7 +22,7 @@ from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import Engine
 from pipeline.server.jobs import Closed, Failed, Finished, QueueFull, Request, Tokens
 from pipeline.server.metrics import Metrics
-from pipeline.server.placement import BucketSlots, Placement, place
+from pipeline.server.placement import BucketSlots, Placement, merged_prefills, place
 from pipeline.server.tokenizer import TextStream
 
 EOS = 2
@@ -1369,3 +1369,48 @@ def test_overlapped_cancel_frees_the_slot_and_its_launched_tokens_are_dropped():
         Finished("length"),
     )
     assert len(m.steps_of(long.prompt)) <= 4
+
+
+def test_merged_prefills_groups_by_length_or_within_the_padding_allowed():
+    items = [(16, "a", 0), (64, "b", 1), (16, "c", 2), (32, "d", 3), (64, "e", 4)]
+    # merge 0: one length a call (the first-seen order of lengths), at most size a call
+    assert merged_prefills(items, 2, 0) == [
+        (16, [items[0], items[2]]),
+        (64, [items[1], items[4]]),
+        (32, [items[3]]),
+    ]
+    # merge 32: 32 joins a 64 call, 16 does not; longest first, admission order among equals
+    assert merged_prefills(items, 3, 32) == [
+        (64, [items[1], items[4], items[3]]),
+        (16, [items[0], items[2]]),
+    ]
+    # the size still bounds a call, and nothing is dropped or repeated
+    calls = merged_prefills(items, 2, 1000)
+    assert [len(c) for _, c in calls] == [2, 2, 1]
+    assert sorted(it[2] for _, c in calls for it in c) == [0, 1, 2, 3, 4]
+    assert all(length >= max(it[0] for it in c) for length, c in calls)
+
+
+def test_prefill_merge_shares_a_call_across_prefill_lengths_and_answers_stay_alone():
+    """With prefill_merge, a short prompt rides in a longer prompt's prefill call when the
+    padding is within the bound; every answer is still the prompt's alone."""
+    b = Bucket(8, 64)
+
+    def run(**flags):
+        m = BatchedModel(prefill_lengths={b: (16, 32)})
+        rs = [request([10, 3], 4), request(list(range(3, 23)), 4), request([11, 4, 5], 4)]
+
+        async def body(h):
+            for r in rs:
+                h.engine.submit(r)
+            h.start()
+            return [await h.result(r) for r in rs]
+
+        out = serve(body, [b], m, start=False, max_prefills=8, **flags)
+        for r, (tokens, end) in zip(rs, out, strict=True):
+            assert tokens == alone(r.prompt, 4) and end == Finished("length")
+        return [e[2] for e in m.log if e[0] == "prefill_many"]
+
+    # prefill lengths 16, 32, 16: merged, one call of all three at 32, the longest first
+    assert run(prefill_merge=16) == [(1, 0, 2)]
+    assert run() == [(0, 2)]  # without: the two of length 16 share a call, the other alone

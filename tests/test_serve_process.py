@@ -177,3 +177,32 @@ def test_a_load_error_in_the_engine_is_the_servers_one_line(release, tmp_path):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert r.returncode in (1, 2) and len(errors) == 1, r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_prefill_merge_answers_as_prefills_by_length_do(release, tmp_path):
+    """Prompts of different prefill lengths sent together, while a slowed step keeps them
+    waiting for one admission: with --prefill-merge they may share a call at the longer
+    length (right-padded further), and every answer is the one prefills by length give."""
+    prompts = [([1, 2, 3], 5), (list(range(3, 40)), 4), ([7, 8], 6), (list(range(5, 25)), 3)]
+    answers = {}
+    for flags in ((), ("--prefill-merge", "64", "--max-prefills", "8")):
+        log = tmp_path / f"serve{len(flags)}.log"
+        with ServerProcess(release, log, *flags, step_delay_s=STEP_DELAY_S) as s:
+            s.wait_ready()
+            got: dict[int, list[int]] = {}
+            threads = [
+                threading.Thread(
+                    target=lambda i=i, p=p, n=n, got=got, url=s.url: got.__setitem__(
+                        i, completion(url, p, n)
+                    )
+                )
+                for i, (p, n) in enumerate(prompts)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            answers[flags] = [got[i] for i in range(len(prompts))]
+            assert s.stop() == 0
+    merged, by_length = answers.values()
+    assert merged == by_length and [len(a) for a in merged] == [n for _, n in prompts]

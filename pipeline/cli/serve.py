@@ -55,6 +55,17 @@ def serve(
             "second bucket stepping beside the first).",
         ),
     ] = False,
+    prefill_merge: Annotated[
+        int,
+        typer.Option(
+            "--prefill-merge",
+            min=0,
+            metavar="POSITIONS",
+            help="A prompt may share a prefill call at a longer prefill length of its bucket "
+            "when that pads it by at most this many positions (one call's fixed cost saved; "
+            "0: only prompts of one length share a call).",
+        ),
+    ] = 0,
     batching: Annotated[
         str,
         typer.Option(
@@ -148,6 +159,7 @@ def serve(
             spill=spill,
             overflow=overflow,
             widest_from_idle=widest_from_idle,
+            prefill_merge=prefill_merge,
             batching=batching,
             api_key=api_key,
             chat_max_tokens=chat_max_tokens,

@@ -58,7 +58,7 @@ from pipeline.server.jobs import (
     Request,
     Tokens,
 )
-from pipeline.server.placement import BucketSlots, place
+from pipeline.server.placement import BucketSlots, merged_prefills, place
 
 log = logging.getLogger("inf2_pipeline.serve")
 
@@ -108,6 +108,7 @@ class Engine:
         spill: bool = True,
         overflow: bool = False,
         widest_from_idle: bool = False,
+        prefill_merge: int = 0,
         batching: str = "iteration",
         overlap: bool = True,
         hooks: Hooks | None = None,
@@ -131,6 +132,7 @@ class Engine:
         self.spill = spill
         self.overflow = overflow
         self.widest_from_idle = widest_from_idle
+        self.prefill_merge = prefill_merge
         self.batching = batching
         self.overlap = overlap
         self.hooks: Any = hooks or NoHooks()
@@ -296,20 +298,22 @@ class Engine:
         """Launch prefills of what was admitted: requests of one bucket and one prefill length
         share a call where the slots take several (``prefill_many``), else one call each; a
         shared call that raises is launched again one prompt at a time, so only the culprit
-        fails."""
-        groups: dict[tuple[Bucket, int], list[tuple[Request, int]]] = {}
+        fails. With ``prefill_merge`` N, a prompt also joins a call at a longer prefill length
+        of its bucket when that adds at most N positions to it (one call's fixed cost saved
+        for the padding: ``merged_prefills``)."""
+        per_bucket: dict[Bucket, list[tuple[int, Request, int]]] = {}
         for req, res, slot in admitted:
             res.rows[slot] = req
-            key = (res.bucket, prefill_positions(res, len(req.prompt)))
-            groups.setdefault(key, []).append((req, slot))
+            length = prefill_positions(res, len(req.prompt))
+            per_bucket.setdefault(res.bucket, []).append((length, req, slot))
         by_bucket = {r.bucket: r for r in self._resident}
         calls = []
-        for (bucket, computed), items in groups.items():
+        for bucket, admitted_here in per_bucket.items():
             res = by_bucket[bucket]
             shared = hasattr(res.slots, "launch_prefill") or hasattr(res.slots, "prefill_many")
             size = int(getattr(res.slots, "prefill_batch", 1)) if shared else 1
-            for a in range(0, len(items), size):
-                part = [(slot, req) for req, slot in items[a : a + size]]
+            for computed, items in merged_prefills(admitted_here, size, self.prefill_merge):
+                part = [(slot, req) for _, req, slot in items]
                 call = None
                 if len(part) > 1:
                     with contextlib.suppress(Exception):
@@ -317,11 +321,11 @@ class Engine:
                 if call is not None:
                     calls.append(call)
                     continue
-                for row in part:
+                for own, req, slot in items:
                     try:
-                        calls.append(self._launch_prefill(res, [row], computed))
+                        calls.append(self._launch_prefill(res, [(slot, req)], own))
                     except Exception as e:  # this request fails; the others go on
-                        self._retire(res, row[0], out, Failed(f"{type(e).__name__}: {e}"))
+                        self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
             self.hooks.slots(bucket, len(res.rows))
         return calls
 

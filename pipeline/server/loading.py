@@ -25,6 +25,8 @@ class ServeOptions:
     spill: bool = True  # a request may take a free slot of a longer bucket rather than wait
     overflow: bool = False  # open a smaller idle bucket beside a full running one
     widest_from_idle: bool = False  # several waiting, nothing running: open the widest
+    # a prompt may share a prefill call at a longer length that pads it by at most this
+    prefill_merge: int = 0
     batching: str = "iteration"  # or "static": the batch-at-a-time baseline
     api_key: str | None = None  # required as `Authorization: Bearer` on /v1 when set
     # a chat answer's length when the request names none (None: what the largest bucket
@@ -113,6 +115,7 @@ def make_engine(
         spill=o.spill,
         overflow=o.overflow,
         widest_from_idle=o.widest_from_idle,
+        prefill_merge=o.prefill_merge,
         batching=o.batching,
         overlap=o.overlap,
         hooks=hooks,

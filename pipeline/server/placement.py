@@ -46,10 +46,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pipeline.contracts.bucket import Bucket
 
 BATCHING = ("iteration", "static")
+R = TypeVar("R")  # a request, to the calls that group them
 
 
 @dataclass
@@ -129,3 +131,30 @@ def _choose(open_: list[BucketSlots], demand: int) -> BucketSlots:
         return max(running, key=lambda b: (b.running + b.admitted, -b.bucket.batch))
     idle = sorted(open_, key=lambda b: b.bucket.batch)
     return next((b for b in idle if b.bucket.batch >= demand), idle[-1])
+
+
+def merged_prefills(
+    items: list[tuple[int, R, int]], size: int, merge: int
+) -> list[tuple[int, list[tuple[int, R, int]]]]:
+    """The prefill calls for one bucket's admitted requests, each given as (its prefill
+    length, the request, its slot) in admission order; each call as (its prefill length,
+    its requests), at most ``size`` of them. With ``merge`` 0 only prompts of one prefill
+    length share a call. Else a prompt of length t also joins a call at a longer length T
+    where T - t ≤ ``merge`` (it pays T - t padded positions, and the call's fixed cost is
+    paid once): each call, longest first, takes the longest prompts left that it holds so,
+    admission order among equals."""
+    calls: list[tuple[int, list[tuple[int, R, int]]]] = []
+    if merge <= 0:
+        groups: dict[int, list[tuple[int, R, int]]] = {}
+        for it in items:
+            groups.setdefault(it[0], []).append(it)
+        for length, group in groups.items():
+            calls += [(length, group[a : a + size]) for a in range(0, len(group), size)]
+        return calls
+    left = sorted(items, key=lambda it: -it[0])  # stable: admission order among equals
+    while left:
+        length = left[0][0]
+        take = [it for it in left if length - it[0] <= merge][:size]
+        left = [it for it in left if not any(it is t for t in take)]
+        calls.append((length, take))
+    return calls
