@@ -63,6 +63,20 @@ def completion(url: str, prompt: list[int], max_tokens: int) -> list[int]:
     return body["choices"][0]["token_ids"]
 
 
+def together(url: str, prompts: list[tuple[list[int], int]]) -> list[list[int]]:
+    """Every (prompt, max_tokens) sent at once, one thread each; the answers in order."""
+    got: dict[int, list[int]] = {}
+    threads = [
+        threading.Thread(target=lambda i=i, p=p, n=n: got.__setitem__(i, completion(url, p, n)))
+        for i, (p, n) in enumerate(prompts)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [got[i] for i in range(len(prompts))]
+
+
 def test_load_errors_pickle_whole():
     """The engine's process sends its load error to the server's, which exits by its code
     with its one line: every field and the class survive."""
@@ -80,20 +94,7 @@ def test_thread_and_process_engines_answer_alike(release, tmp_path):
     for flag in ("--engine-process", "--no-engine-process"):
         with ServerProcess(release, tmp_path / f"{flag}.log", flag) as s:
             s.wait_ready()
-            got: dict[int, list[int]] = {}
-            threads = [
-                threading.Thread(
-                    target=lambda i=i, p=p, n=n, got=got, url=s.url: got.__setitem__(
-                        i, completion(url, p, n)
-                    )
-                )
-                for i, (p, n) in enumerate(prompts)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            answers[flag] = [got[i] for i in range(len(prompts))]
+            answers[flag] = together(s.url, prompts)
             kids = children(s.proc.pid)
             assert s.stop() == 0
             log = s.output()
@@ -189,20 +190,7 @@ def test_prefill_merge_answers_as_prefills_by_length_do(release, tmp_path):
         log = tmp_path / f"serve{len(flags)}.log"
         with ServerProcess(release, log, *flags, step_delay_s=STEP_DELAY_S) as s:
             s.wait_ready()
-            got: dict[int, list[int]] = {}
-            threads = [
-                threading.Thread(
-                    target=lambda i=i, p=p, n=n, got=got, url=s.url: got.__setitem__(
-                        i, completion(url, p, n)
-                    )
-                )
-                for i, (p, n) in enumerate(prompts)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            answers[flags] = [got[i] for i in range(len(prompts))]
+            answers[flags] = together(s.url, prompts)
             assert s.stop() == 0
     merged, by_length = answers.values()
     assert merged == by_length and [len(a) for a in merged] == [n for _, n in prompts]
