@@ -152,9 +152,9 @@ def merged_prefills(
             calls += [(length, group[a : a + size]) for a in range(0, len(group), size)]
         return calls
     left = sorted(items, key=lambda it: -it[0])  # stable: admission order among equals
-    while left:
+    while left:  # longest first, so the prompts a call holds are a prefix of what is left
         length = left[0][0]
-        take = [it for it in left if length - it[0] <= merge][:size]
-        left = [it for it in left if not any(it is t for t in take)]
-        calls.append((length, take))
+        n = next((i for i, it in enumerate(left) if length - it[0] > merge), len(left))
+        calls.append((length, left[: min(n, size)]))
+        left = left[min(n, size) :]
     return calls

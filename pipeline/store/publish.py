@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from pipeline._files import sha256_file
 from pipeline.contracts.store_layout import blob_key, release_key
 from pipeline.errors import (
     AlreadyExistsError,
@@ -34,7 +35,7 @@ from pipeline.errors import (
 )
 from pipeline.store.base import Store
 from pipeline.store.manifest import Manifest, parse_manifest
-from pipeline.store.refs import FileRef, file_ref
+from pipeline.store.refs import FileRef
 from pipeline.store.signing import (
     Signer,
     Trust,
@@ -250,10 +251,10 @@ class _Uploader:
 
 def _verify(path: Path, ref: FileRef, where: str) -> None:
     """Never republish corrupted bytes: the digest is the blob's name."""
-    got = file_ref(path, ref.path)
-    if (got.sha256, got.size) != (ref.sha256, ref.size):
+    digest, size = sha256_file(path), path.stat().st_size  # no part digests: not needed here
+    if (digest, size) != (ref.sha256, ref.size):
         raise IntegrityError(
             f"blob {ref.sha256[:12]} ({ref.path}) in {where}",
-            f"content does not match its digest (got {got.sha256[:12]}, {got.size} bytes)",
+            f"content does not match its digest (got {digest[:12]}, {size} bytes)",
             "delete the blob and recompile",
         )

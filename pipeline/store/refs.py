@@ -8,7 +8,7 @@ part; they are the same SHA-256 checksums the S3 store sends with each multipart
 Since schema 3 a ref also carries each part's BLAKE3 digest, and ``pull`` checks a part by
 it where the ref has one (``part_matches``): BLAKE3 costs a quarter to a third of SHA-256's
 CPU per byte (even with SHA-NI), and on a node that lands GB/s hashing is the pull's largest
-CPU cost (docs/pull.md, "BLAKE3 part digests"). It is as strong for this use: the signed
+CPU cost (docs/pull.md, "Why BLAKE3 for the parts"). It is as strong for this use: the signed
 manifest names the digest, and BLAKE3's 128-bit security (second preimage included) is no
 less than the release signature's own.
 """
@@ -90,32 +90,39 @@ def part_matches(ref: FileRef, index: int, data: Any) -> bool:
     return hashlib.sha256(data).hexdigest() == ref.parts[index]
 
 
-def _digests(path: Path, part_size: int) -> tuple[str, int, list[str], list[str]]:
-    """(whole-file sha256, size, sha256 of each part, BLAKE3 of each part): one read."""
+def _digests(
+    path: Path, part_size: int, blake3_parts: bool = True
+) -> tuple[str, int, list[str], list[str]]:
+    """(whole-file sha256, size, sha256 of each part, BLAKE3 of each part, or none without
+    ``blake3_parts``): one read of the file."""
     whole = hashlib.sha256()
     parts: list[str] = []
     parts_blake3: list[str] = []
     size = 0
     with open(path, "rb") as f:
         while True:
-            part, part3 = hashlib.sha256(), blake3.blake3()
+            part = hashlib.sha256()
+            part3 = blake3.blake3() if blake3_parts else None
             left = part_size
             while left and (chunk := f.read(min(READ, left))):
                 whole.update(chunk)
                 part.update(chunk)
-                part3.update(chunk)
+                if part3 is not None:
+                    part3.update(chunk)
                 left -= len(chunk)
                 size += len(chunk)
             if left == part_size:
                 break
             parts.append(part.hexdigest())
-            parts_blake3.append(part3.hexdigest())
+            if part3 is not None:
+                parts_blake3.append(part3.hexdigest())
     return whole.hexdigest(), size, parts, parts_blake3
 
 
 def hash_file(path: Path, part_size: int = PART_SIZE) -> tuple[str, int, list[str]]:
     """(whole-file sha256, size, sha256 of each part) in one read of the file."""
-    return _digests(path, part_size)[:3]  # type: ignore[return-value]
+    digest, size, parts, _ = _digests(path, part_size, blake3_parts=False)
+    return digest, size, parts
 
 
 def file_ref(path: Path, rel_path: str, part_size: int = PART_SIZE) -> FileRef:
