@@ -444,3 +444,13 @@ def test_reading_weights_tells_a_damaged_file_from_the_machine(tmp_path, error, 
     else:
         assert isinstance(e.value, PipelineError) and e.value.exit_code == code
         assert e.value.what == str(f)
+
+
+@pytest.mark.parametrize("value", ["-1", "many", "6.4"])
+def test_serve_prefill_merge_is_auto_or_a_count_of_positions(tmp_path, value):
+    one_line(
+        invoke("serve", tmp_path, "--prefill-merge", value),
+        2,
+        f"--prefill-merge {value}",
+        "neither auto nor a count",
+    )

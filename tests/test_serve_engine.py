@@ -22,7 +22,13 @@ from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import Engine
 from pipeline.server.jobs import Closed, Failed, Finished, QueueFull, Request, Tokens
 from pipeline.server.metrics import Metrics
-from pipeline.server.placement import BucketSlots, Placement, merged_prefills, place
+from pipeline.server.placement import (
+    BucketSlots,
+    Placement,
+    cheapest_prefills,
+    merged_prefills,
+    place,
+)
 from pipeline.server.tokenizer import TextStream
 
 EOS = 2
@@ -1389,6 +1395,84 @@ def test_merged_prefills_groups_by_length_or_within_the_padding_allowed():
     assert [len(c) for _, c in calls] == [2, 2, 1]
     assert sorted(it[2] for _, c in calls for it in c) == [0, 1, 2, 3, 4]
     assert all(length >= max(it[0] for it in c) for length, c in calls)
+
+
+def gpu_like(prompts: int, length: int) -> float:
+    return 1.0 + 0.001 * prompts * length  # a call's fixed cost dominates
+
+
+def cpu_like(prompts: int, length: int) -> float:
+    return 0.05 + 0.01 * prompts * length  # a position costs its compute
+
+
+def test_cheapest_prefills_shares_calls_where_a_call_costs_more_than_its_padding():
+    items = [(16, "a", 0), (64, "b", 1), (16, "c", 2), (32, "d", 3), (64, "e", 4)]
+    # fixed cost dominant: as few calls as the size allows, longest prompts first
+    assert cheapest_prefills(items, 8, gpu_like) == [
+        (64, [items[1], items[4], items[3], items[0], items[2]])
+    ]
+    assert [(n, len(c)) for n, c in cheapest_prefills(items, 2, gpu_like)] == [
+        (64, 2),
+        (32, 1),  # three calls either way: the 16s together pad less
+        (16, 2),
+    ]
+    # cost by position: each length alone, shared only among equals
+    assert cheapest_prefills(items, 8, cpu_like) == [
+        (64, [items[1], items[4]]),
+        (32, [items[3]]),
+        (16, [items[0], items[2]]),
+    ]
+
+    # against every split into calls (not only runs of the sorted prompts), for costs with a
+    # knee: the cheapest split's cost
+    def partitions(xs):
+        if not xs:
+            yield []
+            return
+        for rest in partitions(xs[1:]):
+            for i in range(len(rest)):
+                yield [*rest[:i], [xs[0], *rest[i]], *rest[i + 1 :]]
+            yield [[xs[0]], *rest]
+
+    for cost in (
+        gpu_like,
+        cpu_like,
+        lambda p, t: 1.0 + 0.02 * p * t,
+        lambda p, t: 0.3 + t * p**0.5,
+    ):
+        for size in (1, 2, 3, 8):
+            got = sum(cost(len(c), n) for n, c in cheapest_prefills(items, size, cost))
+            least = min(
+                sum(cost(len(c), max(it[0] for it in c)) for c in split)
+                for split in partitions(items)
+                if all(len(c) <= size for c in split)
+            )
+            assert got == pytest.approx(least)
+    assert cheapest_prefills([], 4, gpu_like) == []
+
+
+def test_measured_prefill_costs_choose_the_engine_s_calls():
+    """With a bucket's prefill costs, an iteration's prompts go into the cheapest calls: all
+    in one where calls cost more than padding, by length where positions cost more."""
+    b = Bucket(8, 64)
+
+    def run(cost):
+        m = BatchedModel(prefill_lengths={b: (16, 32)})
+        rs = [request([10, 3], 4), request(list(range(3, 23)), 4), request([11, 4, 5], 4)]
+
+        async def body(h):
+            for r in rs:
+                h.engine.submit(r)
+            h.start()
+            return [await h.result(r) for r in rs]
+
+        out = serve(body, [b], m, start=False, max_prefills=8, prefill_costs={b: cost})
+        for r, (tokens, end) in zip(rs, out, strict=True):
+            assert tokens == alone(r.prompt, 4) and end == Finished("length")
+        return [e[2] for e in m.log if e[0] == "prefill_many"]
+
+    assert run(gpu_like) == [(1, 0, 2)]  # all three at 32, the longest first
+    assert run(cpu_like) == [(0, 2)]  # the two of length 16 together, the other alone
 
 
 def test_prefill_merge_shares_a_call_across_prefill_lengths_and_answers_stay_alone():

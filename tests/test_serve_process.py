@@ -183,14 +183,17 @@ def test_a_load_error_in_the_engine_is_the_servers_one_line(release, tmp_path):
 def test_prefill_merge_answers_as_prefills_by_length_do(release, tmp_path):
     """Prompts of different prefill lengths sent together, while a slowed step keeps them
     waiting for one admission: with --prefill-merge they may share a call at the longer
-    length (right-padded further), and every answer is the one prefills by length give."""
+    length (right-padded further), or the calls its measured costs make cheapest (auto), and
+    every answer is the one prefills by length give."""
     prompts = [([1, 2, 3], 5), (list(range(3, 40)), 4), ([7, 8], 6), (list(range(5, 25)), 3)]
     answers = {}
-    for flags in ((), ("--prefill-merge", "64", "--max-prefills", "8")):
-        log = tmp_path / f"serve{len(flags)}.log"
+    ways = ((), ("--prefill-merge", "64"), ("--prefill-merge", "auto"))
+    for i, flags in enumerate(ways):
+        log = tmp_path / f"serve{i}.log"
+        flags = (*flags, "--max-prefills", "8") if flags else flags
         with ServerProcess(release, log, *flags, step_delay_s=STEP_DELAY_S) as s:
             s.wait_ready()
             answers[flags] = together(s.url, prompts)
             assert s.stop() == 0
-    merged, by_length = answers.values()
-    assert merged == by_length and [len(a) for a in merged] == [n for _, n in prompts]
+    by_length, merged, cheapest = answers.values()
+    assert merged == by_length == cheapest and [len(a) for a in merged] == [n for _, n in prompts]

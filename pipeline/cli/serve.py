@@ -56,16 +56,17 @@ def serve(
         ),
     ] = False,
     prefill_merge: Annotated[
-        int,
+        str,
         typer.Option(
             "--prefill-merge",
-            min=0,
-            metavar="POSITIONS",
+            metavar="POSITIONS|auto",
             help="A prompt may share a prefill call at a longer prefill length of its bucket "
             "when that pads it by at most this many positions (one call's fixed cost saved; "
-            "0: only prompts of one length share a call).",
+            "0: only prompts of one length share a call). auto: time each bucket's prefill "
+            "calls at start-up and split each iteration's prompts into the calls that cost "
+            "least.",
         ),
-    ] = 0,
+    ] = "0",
     batching: Annotated[
         str,
         typer.Option(
@@ -129,6 +130,7 @@ def serve(
 
     if batching not in ("iteration", "static"):
         raise InputError(f"--batching {batching}", "unknown", "use iteration or static")
+    merge = _prefill_merge(prefill_merge)
     if api_key is not None and not api_key.strip():
         raise InputError(
             "--api-key (or INF2_SERVE_API_KEY)",
@@ -159,7 +161,7 @@ def serve(
             spill=spill,
             overflow=overflow,
             widest_from_idle=widest_from_idle,
-            prefill_merge=prefill_merge,
+            prefill_merge=merge,
             batching=batching,
             api_key=api_key,
             chat_max_tokens=chat_max_tokens,
@@ -169,3 +171,21 @@ def serve(
             trust=keys,
         )
     )
+
+
+def _prefill_merge(value: str) -> int | str:
+    from pipeline.errors import InputError
+
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise InputError(
+            f"--prefill-merge {value}",
+            "is neither auto nor a count of positions",
+            "use auto or 0, 64, ...",
+        )
+    return n

@@ -40,7 +40,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,7 +58,7 @@ from pipeline.server.jobs import (
     Request,
     Tokens,
 )
-from pipeline.server.placement import BucketSlots, merged_prefills, place
+from pipeline.server.placement import BucketSlots, cheapest_prefills, merged_prefills, place
 
 log = logging.getLogger("inf2_pipeline.serve")
 
@@ -109,6 +109,7 @@ class Engine:
         overflow: bool = False,
         widest_from_idle: bool = False,
         prefill_merge: int = 0,
+        prefill_costs: Mapping[Bucket, Callable[[int, int], float]] | None = None,
         batching: str = "iteration",
         overlap: bool = True,
         hooks: Hooks | None = None,
@@ -133,6 +134,7 @@ class Engine:
         self.overflow = overflow
         self.widest_from_idle = widest_from_idle
         self.prefill_merge = prefill_merge
+        self.prefill_costs = dict(prefill_costs or {})
         self.batching = batching
         self.overlap = overlap
         self.hooks: Any = hooks or NoHooks()
@@ -300,7 +302,8 @@ class Engine:
         shared call that raises is launched again one prompt at a time, so only the culprit
         fails. With ``prefill_merge`` N, a prompt also joins a call at a longer prefill length
         of its bucket when that adds at most N positions to it (one call's fixed cost saved
-        for the padding: ``merged_prefills``)."""
+        for the padding: ``merged_prefills``); with a bucket's measured ``prefill_costs``,
+        its prompts go into the calls that cost least (``cheapest_prefills``)."""
         per_bucket: dict[Bucket, list[tuple[int, Request, int]]] = {}
         for req, res, slot in admitted:
             res.rows[slot] = req
@@ -312,7 +315,13 @@ class Engine:
             res = by_bucket[bucket]
             shared = hasattr(res.slots, "launch_prefill") or hasattr(res.slots, "prefill_many")
             size = int(getattr(res.slots, "prefill_batch", 1)) if shared else 1
-            for computed, items in merged_prefills(admitted_here, size, self.prefill_merge):
+            cost = self.prefill_costs.get(bucket)
+            grouped = (
+                cheapest_prefills(admitted_here, size, cost)
+                if cost is not None
+                else merged_prefills(admitted_here, size, self.prefill_merge)
+            )
+            for computed, items in grouped:
                 part = [(slot, req) for _, req, slot in items]
                 call = None
                 if len(part) > 1:

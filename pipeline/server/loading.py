@@ -13,6 +13,7 @@ from typing import Any
 from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import Engine
 from pipeline.server.jobs import Hooks
+from pipeline.server.prefill_costs import measure_all
 
 
 @dataclass
@@ -25,8 +26,9 @@ class ServeOptions:
     spill: bool = True  # a request may take a free slot of a longer bucket rather than wait
     overflow: bool = False  # open a smaller idle bucket beside a full running one
     widest_from_idle: bool = False  # several waiting, nothing running: open the widest
-    # a prompt may share a prefill call at a longer length that pads it by at most this
-    prefill_merge: int = 0
+    # a prompt may share a prefill call at a longer length that pads it by at most this;
+    # "auto": the calls that cost least by each bucket's prefill calls, timed at start-up
+    prefill_merge: int | str = 0
     batching: str = "iteration"  # or "static": the batch-at-a-time baseline
     api_key: str | None = None  # required as `Authorization: Bearer` on /v1 when set
     # a chat answer's length when the request names none (None: what the largest bucket
@@ -106,6 +108,8 @@ def make_engine(
     **more: Any,
 ) -> Engine:
     o = options
+    auto = o.prefill_merge == "auto"
+    costs = measure_all(model, list(resident)) if auto else None
     return Engine(
         model,
         resident,
@@ -115,7 +119,8 @@ def make_engine(
         spill=o.spill,
         overflow=o.overflow,
         widest_from_idle=o.widest_from_idle,
-        prefill_merge=o.prefill_merge,
+        prefill_merge=0 if auto else int(o.prefill_merge),
+        prefill_costs=costs,
         batching=o.batching,
         overlap=o.overlap,
         hooks=hooks,

@@ -44,7 +44,7 @@ The rules, in order:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -157,4 +157,31 @@ def merged_prefills(
         n = next((i for i, it in enumerate(left) if length - it[0] > merge), len(left))
         calls.append((length, left[: min(n, size)]))
         left = left[min(n, size) :]
+    return calls
+
+
+def cheapest_prefills(
+    items: list[tuple[int, R, int]], size: int, cost: Callable[[int, int], float]
+) -> list[tuple[int, list[tuple[int, R, int]]]]:
+    """``merged_prefills`` by measured cost (``serve --prefill-merge auto``): the split of one
+    bucket's admitted prompts into calls, each at most ``size`` prompts at its longest
+    prompt's prefill length, whose summed ``cost(prompts, length)`` is least. Where a call's
+    fixed cost dominates (a GPU: a pass over the weights, whatever the few positions) prompts
+    share calls; where a position costs its compute (cpu) they stay at their own lengths.
+    Calls take runs of the prompts sorted longest first (with cost rising in both arguments
+    some cheapest split is such runs), found by dynamic programming over those runs."""
+    left = sorted(items, key=lambda it: -it[0])  # stable: admission order among equals
+    n = len(left)
+    best = [0.0] * (n + 1)  # best[i]: the least cost of the calls for left[i:]
+    cut = [n] * (n + 1)  # where the first call of that split ends
+    for i in range(n - 1, -1, -1):
+        best[i] = float("inf")
+        for j in range(i + 1, min(n, i + size) + 1):
+            c = cost(j - i, left[i][0]) + best[j]
+            if c < best[i]:  # ties keep the smaller call: no padding for nothing
+                best[i], cut[i] = c, j
+    calls, i = [], 0
+    while i < n:
+        calls.append((left[i][0], left[i : cut[i]]))
+        i = cut[i]
     return calls

@@ -1,0 +1,71 @@
+"""``serve --prefill-merge auto``'s measurement: each bucket's prefill calls timed once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.server.prefill_costs import PrefillCosts, measure, prompt_counts
+
+
+class TimedSlots:
+    """Slots whose prefill calls advance a fake clock by a known cost, and that must be
+    freed before a row is filled again."""
+
+    def __init__(self, batch: int, prefill_batch: int, lengths: tuple[int, ...]) -> None:
+        self.batch, self.prefill_batch, self.prefill_lengths = batch, prefill_batch, lengths
+        self.now = 0.0
+        self.used: set[int] = set()
+        self.calls: list[tuple[int, int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        assert not self.used & set(slots), "a row filled twice without a free"
+        assert len({len(p) for p in prompts}) == 1
+        self.used |= set(slots)
+        self.calls.append((len(slots), len(prompts[0])))
+        # the first call of a shape is slow (a graph's first run), the others exact
+        first = self.calls.count(self.calls[-1]) == 1
+        self.now += (5.0 if first else 0.0) + 1.0 + 0.01 * len(slots) * len(prompts[0])
+        return [0] * len(slots)
+
+    def free(self, slot: int) -> None:
+        self.used.discard(slot)
+
+
+def test_prompt_counts_cover_every_graphed_count_then_doublings_and_the_largest():
+    assert prompt_counts(1) == [1]
+    assert prompt_counts(3) == [1, 2, 3]
+    assert prompt_counts(8) == list(range(1, 9))
+    assert prompt_counts(32) == [*range(1, 9), 16, 32]
+    assert prompt_counts(24) == [*range(1, 9), 16, 24]
+
+
+def test_measure_times_each_call_after_an_untimed_one_and_frees_its_rows():
+    slots = TimedSlots(batch=32, prefill_batch=32, lengths=(16, 64))
+    costs = measure(slots, reps=3, clock=slots.clock)
+    assert costs is not None and not slots.used
+    assert set(costs.seconds) == {(p, t) for t in (16, 64) for p in prompt_counts(32)}
+    assert costs.seconds[1, 16] == pytest.approx(1.16)  # the slow first call is not counted
+    assert costs.seconds[32, 64] == pytest.approx(1.0 + 0.01 * 32 * 64)
+    # between measured counts: linear
+    assert costs(12, 64) == pytest.approx((costs(8, 64) + costs(16, 64)) / 2)
+    assert costs(3, 16) == costs.seconds[3, 16]
+    with pytest.raises(KeyError):
+        costs(1, 32)
+    assert "16: 1×1160.00ms" in costs.describe()
+
+
+def test_nothing_is_measured_where_a_call_takes_one_prompt():
+    assert measure(TimedSlots(batch=8, prefill_batch=1, lengths=(16,))) is None
+    assert measure(TimedSlots(batch=1, prefill_batch=8, lengths=(16,))) is None
+    assert measure(SimpleNamespace(batch=8, prefill_batch=8, prefill_lengths=(16,))) is None
+
+
+def test_outside_the_measured_counts_a_cost_is_proportional():
+    costs = PrefillCosts({(2, 16): 2.0, (4, 16): 3.0})
+    assert costs(1, 16) == 1.0 and costs(8, 16) == 6.0 and costs(3, 16) == 2.5
