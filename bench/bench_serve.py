@@ -39,7 +39,9 @@ from __future__ import annotations
 import argparse
 import gc
 import http.client
+import itertools
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -153,6 +155,9 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
+Raw = tuple[float, list[tuple[float, bytes]], float]  # sent, (arrival, data line)s, ended
+
+
 def replay(
     url: str,
     name: str,
@@ -161,6 +166,7 @@ def replay(
     timeout: float,
     sampling: dict[str, float] | None = None,
     arrivals: list[float] | None = None,
+    procs: int = 1,
 ) -> tuple[float, list[Answer | None], list[str]]:
     """Send every request from ``concurrency`` client threads, each on its own keep-alive
     connection, streaming; returns (seconds, answers in request order, errors).
@@ -169,15 +175,77 @@ def replay(
     free by then sends it then, else as soon as one frees), and its TTFT and latency count
     from when it was due, so a pool too small to keep up shows as waiting, not as speed.
     Without: closed loop, each thread sends its next request when its last one ends.
+    ``procs``: the threads spread over that many forked processes, so the clients' own
+    turns for one GIL do not add to the times they stamp (perf_counter is the system's
+    monotonic clock, the same in every process).
 
     While streaming, a thread only stamps each ``data:`` line with its arrival time; the
     JSON is parsed after the clock stops, so parsing does not delay the other threads."""
+    procs = max(1, min(procs, concurrency))
+    start = time.perf_counter()
+    if procs == 1:
+        raw, errors = _clients(url, name, work, concurrency, timeout, sampling, arrivals, start)
+    else:
+        raw, errors = _client_procs(
+            url, name, work, concurrency, timeout, sampling, arrivals, start, procs
+        )
+    wall = time.perf_counter() - start
+    answers: list[Answer | None] = []
+    for i in range(len(work)):
+        item = raw.get(i)
+        if item is None:
+            answers.append(None)
+            continue
+        sent, events, end = item
+        ans = Answer([], None, latency=end - sent)
+        prev = None
+        for t, payload in events:
+            try:
+                data = json.loads(payload)
+            except json.JSONDecodeError:
+                errors.append(f"request {i}: an event that is not JSON: {payload[:200]!r}")
+                break
+            if "error" in data:
+                errors.append(f"request {i}: {data['error']}")
+                break
+            choices = data.get("choices") or []
+            ids = list(choices[0].get("token_ids") or []) if choices else []
+            if not ids:
+                continue  # the finish chunk, or text held back
+            if prev is None:
+                ans.ttft = t - sent
+            else:
+                ans.gaps.append(t - prev)
+            ans.gaps += [0.0] * (len(ids) - 1)  # tokens that came in the same event
+            prev = t
+            ans.ids += ids
+        answers.append(ans)
+    return wall, answers, errors
+
+
+def _clients(
+    url: str,
+    name: str,
+    work: Work,
+    threads_n: int,
+    timeout: float,
+    sampling: dict[str, float] | None,
+    arrivals: list[float] | None,
+    start: float,
+    take: Any = None,
+) -> tuple[dict[int, Raw], list[str]]:
+    """``threads_n`` client threads sending the requests ``take()`` hands out (default: each
+    in turn) until it gives None; their raw streams by request index, and errors."""
     host = urlparse(url)
-    raw: list[tuple[float, list[tuple[float, bytes]], float] | None] = [None] * len(work)
-    todo = iter(range(len(work)))
-    lock = threading.Lock()
+    raw: dict[int, Raw] = {}
     errors: list[str] = []
     headers = {"Content-Type": "application/json"}
+    if take is None:
+        todo, lock = iter(range(len(work))), threading.Lock()
+
+        def take() -> int | None:
+            with lock:
+                return next(todo, None)
 
     def one(conn: http.client.HTTPConnection, i: int, body: bytes) -> None:
         t0 = time.perf_counter()
@@ -214,8 +282,7 @@ def replay(
     def client() -> None:
         conn: http.client.HTTPConnection | None = None
         while True:
-            with lock:
-                i = next(todo, None)
+            i = take()
             if i is None:
                 break
             prompt, n = work[i]
@@ -242,44 +309,57 @@ def replay(
         if conn is not None:
             conn.close()
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    start = t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(threads_n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
+    return raw, errors
 
-    answers: list[Answer | None] = []
-    for i, item in enumerate(raw):
-        if item is None:
-            answers.append(None)
-            continue
-        sent, events, end = item
-        ans = Answer([], None, latency=end - sent)
-        prev = None
-        for t, payload in events:
-            try:
-                data = json.loads(payload)
-            except json.JSONDecodeError:
-                errors.append(f"request {i}: an event that is not JSON: {payload[:200]!r}")
-                break
-            if "error" in data:
-                errors.append(f"request {i}: {data['error']}")
-                break
-            choices = data.get("choices") or []
-            ids = list(choices[0].get("token_ids") or []) if choices else []
-            if not ids:
-                continue  # the finish chunk, or text held back
-            if prev is None:
-                ans.ttft = t - sent
-            else:
-                ans.gaps.append(t - prev)
-            ans.gaps += [0.0] * (len(ids) - 1)  # tokens that came in the same event
-            prev = t
-            ans.ids += ids
-        answers.append(ans)
-    return wall, answers, errors
+
+def _client_procs(
+    url: str,
+    name: str,
+    work: Work,
+    concurrency: int,
+    timeout: float,
+    sampling: dict[str, float] | None,
+    arrivals: list[float] | None,
+    start: float,
+    procs: int,
+) -> tuple[dict[int, Raw], list[str]]:
+    """``_clients`` in ``procs`` forked processes sharing one counter of requests handed
+    out (so each sends the next when one of its threads frees, as in one process)."""
+    ctx = multiprocessing.get_context("fork")
+    counter = ctx.Value("i", 0)
+    results = ctx.Queue()
+
+    def take() -> int | None:
+        with counter.get_lock():
+            i = counter.value
+            counter.value += 1
+        return i if i < len(work) else None
+
+    def child(threads_n: int) -> None:
+        results.put(_clients(url, name, work, threads_n, timeout, sampling, arrivals, start, take))
+
+    shares = [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
+    kids = [ctx.Process(target=child, args=(n,), daemon=True) for n in shares]
+    for k in kids:
+        k.start()
+    raw: dict[int, Raw] = {}
+    errors: list[str] = []
+    try:
+        for _ in kids:  # read before join: a child blocks on a full queue until read
+            got, errs = results.get(timeout=timeout * len(work) + 60)
+            raw.update(got)
+            errors += errs
+    finally:
+        for k in kids:
+            k.join(5)
+            if k.is_alive():
+                k.kill()
+    return raw, errors
 
 
 # --- the server's own counts -------------------------------------------------------------------
@@ -703,7 +783,10 @@ def serve_ways(
             if errs:
                 errors += [f"warm-up: {e}" for e in errs[:3]]
         for r in range(args.rounds):
-            for way, conc in ways:
+            for (way, conc), procs in itertools.product(ways, args.client_procs):
+                label = way if procs == 1 or way == "lone" else f"{way}/{procs}p"
+                if label != way and (way, conc) == ("lone", 1):
+                    continue
                 before = scrape(url)
                 sampling = SAMPLED if way == "sampled" else None
                 t0 = time.monotonic()
@@ -711,7 +794,7 @@ def serve_ways(
                 if args.rate and way != "lone":
                     due = poisson_arrivals(len(work), args.rate, args.seed)
                 wall, answers, errs = replay(
-                    url, name, work, conc, args.request_timeout, sampling, due
+                    url, name, work, conc, args.request_timeout, sampling, due, procs
                 )
                 t1 = time.monotonic()
                 after = scrape(url)
@@ -721,9 +804,9 @@ def serve_ways(
                     work, truth, wall, answers, errs, server_figures(before, after, buckets), conc
                 )
                 if timeline is None:
-                    keep(way, batching, conc, r, figures)
+                    keep(label, batching, conc, r, figures)
                 else:  # the device's account comes when the engine stops
-                    measured.append((way, conc, r, figures, t0, t1))
+                    measured.append((label, conc, r, figures, t0, t1))
     except Exception as e:
         errors.append(f"serve --batching {batching}: {type(e).__name__}: {e}")
     finally:
@@ -989,6 +1072,13 @@ def main() -> None:
         "request stays one at a time. Default: closed loop (each client sends its next "
         "request when its last one ends)",
     )
+    ap.add_argument(
+        "--client-procs",
+        default="1",
+        help="the client threads spread over this many processes (a comma-separated list "
+        "measures each way once per value, in the same server: 'serve/4p' is serve with "
+        "4); more than 1 keeps the clients' own GIL out of the times they stamp",
+    )
     ap.add_argument("--json", type=Path, help="write every figure here (after every stage)")
     ap.add_argument(
         "--tolerate-mismatch",
@@ -1043,6 +1133,12 @@ def main() -> None:
     )
     ap.add_argument("--peer-timeout", type=float, default=1200, help="s for each peer run")
     args = ap.parse_args()
+    try:
+        args.client_procs = sorted({int(c) for c in args.client_procs.split(",") if c.strip()})
+    except ValueError:
+        args.client_procs = [0]
+    if not args.client_procs or min(args.client_procs) < 1:
+        sys.exit(f"error: --client-procs {args.client_procs}: counts of processes, 1 or more")
     concs = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     chosen = [w.strip() for w in args.ways.split(",") if w.strip() not in ("", "none")]
     bad = [w for w in chosen if w not in WAYS]

@@ -5,7 +5,8 @@
 # bench/prepare_device_bench.sh; then call, carrying .devrun and peers, until it says done:
 #   bash bench/device_round.sh            (BUDGET=seconds per call, default 575;
 #   WAYS2048, WAYS256: bench_serve's --ways for the two replays; ARGS2048, ARGS256: more
-#   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'")
+#   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'";
+#   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler")
 unset CXX  # the device image's wrapper breaks AOTInductor packages
 T0=$(date +%s); BUDGET=${BUDGET:-575}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -31,21 +32,28 @@ stage() {  # name, least seconds it needs, command...: false when this call is o
 }
 run() {
   # the serve figures first, each stage in a call as the budget allows: compile (~460 s),
-  # serve2048, serve256 (its peer last: a cut-short stage keeps what its JSON already has),
-  # decode, sampler
+  # then STAGES in order (default: serve2048, serve256 (its peer last: a cut-short stage
+  # keeps what its JSON already has), decode, sampler)
   stage compile 120 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches 1,8,32 --compile-only --out "$R/compile.json" || return
-  stage serve2048 300 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
-    --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch "${more2048[@]}" \
-    --json "$R/serve-s2048.json" || return
-  stage serve256 200 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
-    --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${more256[@]}" "${PEER[@]}" \
-    --json "$R/serve-s256.json" || return
-  stage decode 250 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
-    --long-batches 1,8,32 --out "$R/cuda-decode.json" || return
-  stage sampler 60 python3 bench/bench_sampler.py || return
+  for s in ${STAGES:-serve2048 serve256 decode sampler}; do "stage_$s" || return; done
   echo "== done"
 }
+stage_serve2048() {
+  stage serve2048 300 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
+    --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch "${more2048[@]}" \
+    --json "$R/serve-s2048.json"
+}
+stage_serve256() {
+  stage serve256 200 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
+    --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${more256[@]}" "${PEER[@]}" \
+    --json "$R/serve-s256.json"
+}
+stage_decode() {
+  stage decode 250 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
+    --long-batches 1,8,32 --out "$R/cuda-decode.json"
+}
+stage_sampler() { stage sampler 60 python3 bench/bench_sampler.py; }
 run
 # the figures, not the logs of every server (the copy back has a file count limit)
 cp "$R"/*.json "$R"/sampler.log "$OUT"/ 2>/dev/null; ls "$R"

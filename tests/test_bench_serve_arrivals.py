@@ -84,3 +84,17 @@ def test_open_loop_with_too_few_clients_shows_the_wait_in_ttft(stub_url):
     # closed loop, one client: each request's clock starts when it is sent
     _, closed, _ = bench_serve.replay(stub_url, "m", work, 1, 10.0)
     assert closed[3].ttft < answers[3].ttft - 2 * DELAY
+
+
+def test_client_processes_send_every_request_once_and_keep_the_clock(stub_url):
+    """Threads spread over forked processes: each request sent exactly once (the stub runs
+    in this process and sees them all), answers in request order, the open loop's due times
+    kept on the clock every process shares."""
+    work = [([1, i], 1) for i in range(6)]
+    due = [0.0, 0.0, 0.3, 0.3, 0.6, 0.6]
+    before = time.perf_counter()
+    wall, answers, errors = bench_serve.replay(stub_url, "m", work, 4, 10.0, arrivals=due, procs=2)
+    assert not errors and len(_Stub.sent) == 6
+    assert all(a is not None and a.ids == [7] and a.ttft >= DELAY for a in answers)
+    assert all(t >= before + d for t, d in zip(sorted(_Stub.sent), due, strict=True))
+    assert wall >= 0.6 + DELAY
