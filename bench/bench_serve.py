@@ -182,14 +182,14 @@ def replay(
     While streaming, a thread only stamps each ``data:`` line with its arrival time; the
     JSON is parsed after the clock stops, so parsing does not delay the other threads."""
     procs = max(1, min(procs, concurrency))
-    start = time.perf_counter()
     if procs == 1:
+        start = time.perf_counter()
         raw, errors = _clients(url, name, work, concurrency, timeout, sampling, arrivals, start)
+        wall = time.perf_counter() - start
     else:
-        raw, errors = _client_procs(
-            url, name, work, concurrency, timeout, sampling, arrivals, start, procs
+        wall, raw, errors = _client_procs(
+            url, name, work, concurrency, timeout, sampling, arrivals, procs
         )
-    wall = time.perf_counter() - start
     answers: list[Answer | None] = []
     for i in range(len(work)):
         item = raw.get(i)
@@ -325,13 +325,15 @@ def _client_procs(
     timeout: float,
     sampling: dict[str, float] | None,
     arrivals: list[float] | None,
-    start: float,
     procs: int,
-) -> tuple[dict[int, Raw], list[str]]:
+) -> tuple[float, dict[int, Raw], list[str]]:
     """``_clients`` in ``procs`` forked processes sharing one counter of requests handed
-    out (so each sends the next when one of its threads frees, as in one process)."""
+    out (so each sends the next when one of its threads frees, as in one process). They are
+    forked first and started together, so the clock does not count the forks."""
     ctx = multiprocessing.get_context("fork")
     counter = ctx.Value("i", 0)
+    start = ctx.Value("d", 0.0)
+    go = ctx.Event()
     results = ctx.Queue()
 
     def take() -> int | None:
@@ -341,7 +343,9 @@ def _client_procs(
         return i if i < len(work) else None
 
     def child(threads_n: int) -> None:
-        results.put(_clients(url, name, work, threads_n, timeout, sampling, arrivals, start, take))
+        go.wait()
+        got = _clients(url, name, work, threads_n, timeout, sampling, arrivals, start.value, take)
+        results.put((time.perf_counter(), got))  # when its last thread ended
 
     shares = [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
     kids = [ctx.Process(target=child, args=(n,), daemon=True) for n in shares]
@@ -349,9 +353,13 @@ def _client_procs(
         k.start()
     raw: dict[int, Raw] = {}
     errors: list[str] = []
+    end = 0.0
     try:
+        start.value = time.perf_counter()
+        go.set()
         for _ in kids:  # read before join: a child blocks on a full queue until read
-            got, errs = results.get(timeout=timeout * len(work) + 60)
+            t, (got, errs) = results.get(timeout=timeout * len(work) + 60)
+            end = max(end, t)
             raw.update(got)
             errors += errs
     finally:
@@ -359,7 +367,7 @@ def _client_procs(
             k.join(5)
             if k.is_alive():
                 k.kill()
-    return raw, errors
+    return end - start.value, raw, errors
 
 
 # --- the server's own counts -------------------------------------------------------------------
@@ -611,6 +619,50 @@ def prefill_alone(model: Any, work: Work, reps: int) -> dict[str, Any]:
     return {"seconds": sum(per_request), "per_request_s": per_request, "by_bucket": by_bucket}
 
 
+def burst_shared(model: Any, work: Work, clients: list[int], reps: int) -> dict[str, Any]:
+    """The opening burst's floor with shared prefill calls: the first ``c`` prompts (as many
+    as the largest batch holds) prefilled together into one bucket's slots, split into calls
+    as ``serve --prefill-merge auto`` would split them (by that bucket's measured call
+    costs), the best of ``reps``. The last first token of the burst comes no sooner."""
+    from pipeline.server.placement import cheapest_prefills
+    from pipeline.server.prefill_costs import measure
+
+    out: dict[str, Any] = {}
+    for c in (c for c in clients if c > 1):
+        need = max(model.tokens_needed(len(p), g) for p, g in work[:c])
+        fits = [b for b in model.buckets if b.seq >= need]
+        bucket = max(fits, key=lambda b: (b.batch, -b.seq))
+        slots = model.slots(bucket)
+        first = work[: min(c, bucket.batch)]
+        costs = measure(slots)
+        f = getattr(slots, "prefill_positions", None)
+        items = [(int(f(len(p))) if f else bucket.seq, p, i) for i, (p, _) in enumerate(first)]
+        size = int(getattr(slots, "prefill_batch", 1)) if costs else 1
+        calls = cheapest_prefills(items, size, costs or (lambda n, t: float(n)))
+        timed = []
+        for rep in range(max(reps, 1) + 1):  # the first untimed
+            _sync(model.device)
+            t0 = time.perf_counter()
+            for _, group in calls:
+                rows, prompts = [i for _, _, i in group], [p for _, p, _ in group]
+                if len(rows) > 1:
+                    slots.prefill_many(rows, prompts)
+                else:
+                    slots.prefill(rows[0], prompts[0])
+            if rep:
+                timed.append(time.perf_counter() - t0)
+            for _, _, i in items:
+                slots.free(i)
+        best = min(timed)
+        out[str(c)] = {
+            "prompts": len(first),
+            "bucket": bucket.name,
+            "calls": len(calls),
+            "seconds": best,
+        }
+    return out
+
+
 def measure_release(release: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The replay's requests, their answers alone, the steady decode rates and the prefills
     alone; the model is gone (and its device memory given back) when this returns."""
@@ -676,6 +728,13 @@ def measure_release(release: Path, args: argparse.Namespace) -> dict[str, Any]:
     except Exception as e:
         out["prefill_alone"] = {"error": repr(e)}
         log(f"prefills alone failed: {e!r}")
+    try:
+        clients = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+        out["burst_shared"] = burst_shared(model, work, clients, args.prefill_reps)
+        log(f"opening bursts, shared prefill calls: {out['burst_shared']}")
+    except Exception as e:
+        out["burst_shared"] = {"error": repr(e)}
+        log(f"opening bursts, shared prefill calls, failed: {e!r}")
     del model
     return out
 
@@ -784,9 +843,9 @@ def serve_ways(
                 errors += [f"warm-up: {e}" for e in errs[:3]]
         for r in range(args.rounds):
             for (way, conc), procs in itertools.product(ways, args.client_procs):
-                label = way if procs == 1 or way == "lone" else f"{way}/{procs}p"
-                if label != way and (way, conc) == ("lone", 1):
-                    continue
+                if conc == 1 and procs != args.client_procs[0]:
+                    continue  # one client is one thread: once is enough
+                label = way if procs == 1 or conc == 1 else f"{way}/{procs}p"
                 before = scrape(url)
                 sampling = SAMPLED if way == "sampled" else None
                 t0 = time.monotonic()
@@ -945,6 +1004,12 @@ def print_table(result: dict[str, Any]) -> None:
             print(
                 f"opening burst at {c} clients: its {c} prefills alone take {floor * 1e3:.1f} "
                 "ms, the floor of the last first token's TTFT (shared prefill calls aside)"
+            )
+    for c, floor in (result.get("burst_prefills_shared") or {}).items():
+        if isinstance(floor, dict):
+            print(
+                f"opening burst at {c} clients, shared calls: its first {floor['prompts']} "
+                f"prompts in {floor['calls']} prefill calls take {floor['seconds'] * 1e3:.1f} ms"
             )
     ways = result["ways"]
     static = {r["concurrency"]: r["output_tokens_per_s"] for r in ways if r["batching"] == "static"}
@@ -1216,6 +1281,7 @@ def main() -> None:
         "burst_prefills_alone_s": {
             str(c): sum(measured["prefill_alone"].get("per_request_s", [])[:c]) for c in concs
         },
+        "burst_prefills_shared": measured.get("burst_shared"),
         "replay_decode": measured.get("replay_decode"),
         "ways": [],
         "errors": [],
@@ -1251,9 +1317,10 @@ def main() -> None:
         ]
         save()
 
-    def order(key: tuple[str, int]) -> tuple[int, int]:
-        rank = WAYS.index(key[0]) if key[0] in WAYS else len(WAYS) + variants.index(key[0])
-        return (rank, key[1])
+    def order(key: tuple[str, int]) -> tuple[int, int, str]:
+        way, procs = key[0].partition("/")[::2]  # serve/4p: serve with 4 client processes
+        rank = WAYS.index(way) if way in WAYS else len(WAYS) + variants.index(way)
+        return (rank, key[1], procs)
 
     plan: list[tuple[str, list[tuple[str, int]]]] = []
     iteration = ([("lone", 1)] if "lone" in chosen else []) + (
