@@ -596,7 +596,9 @@ def main() -> None:
 
     shape = SHAPES[args.model]
     batches = [int(b) for b in args.batches.split(",")]
-    long_batches = [int(b) for b in args.long_batches.split(",")]
+    long_batches = [int(b) for b in args.long_batches.split(",") if b.strip()]
+    if not long_batches and not args.compile_only:
+        sys.exit("error: --long-batches '': no long release, which only --compile-only allows")
     decode_seq = args.prompt + args.new_tokens
     result: dict[str, Any] = {
         "bench": "cuda-decode",
@@ -657,6 +659,8 @@ def main() -> None:
         f"b{{{args.long_batches}}}_s{args.prefill} ..."
     )
     jobs = [len(batches), len(long_batches)]
+    if not long_batches:  # --compile-only of the decode release alone (serve's s256 replay)
+        configs, jobs = configs[:1], jobs[:1]
     result["compile"] = compile_and_install(configs, args.workdir, jobs=jobs)
     log(f"compiled and installed in {result['compile']['wall_seconds']} s")
     save()

@@ -6,7 +6,8 @@
 #   bash bench/device_round.sh            (BUDGET=seconds per call, default 575;
 #   WAYS2048, WAYS256: bench_serve's --ways for the two replays; ARGS2048, ARGS256: more
 #   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'";
-#   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler")
+#   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
+#   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256)
 unset CXX  # the device image's wrapper breaks AOTInductor packages
 T0=$(date +%s); BUDGET=${BUDGET:-575}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -16,6 +17,7 @@ R=work/round; mkdir -p "$R"
 D=work/bench-cuda/models/bench-llama-3.2-1b-decode
 L=work/bench-cuda/models/bench-llama-3.2-1b-prefill
 PEER=(--peer peers/hf-continuous-batching/peer_serve.py --trace peers/AzureLLMInferenceTrace_conv.csv)
+[ -n "${NO_PEER:-}" ] && PEER=()  # NO_PEER=1: the serve256 stage without the peer
 eval "more2048=(${ARGS2048:-})"; eval "more256=(${ARGS256:-})"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 stage() {  # name, least seconds it needs, command...: false when this call is out of time
@@ -35,7 +37,7 @@ run() {
   # then STAGES in order (default: serve2048, serve256 (its peer last: a cut-short stage
   # keeps what its JSON already has), decode, sampler)
   stage compile 120 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
-    --long-batches 1,8,32 --compile-only --out "$R/compile.json" || return
+    --long-batches "${LONG_BATCHES-1,8,32}" --compile-only --out "$R/compile.json" || return
   for s in ${STAGES:-serve2048 serve256 decode sampler}; do "stage_$s" || return; done
   echo "== done"
 }

@@ -63,6 +63,6 @@ def to_device(values: Any, device: Any) -> Any:
     the copy is done)."""
     import torch
 
-    if torch.device(device).type != "cuda":
-        return values.to(device)
+    if torch.device(device).type != "cuda" or values.device.type != "cpu":
+        return values.to(device)  # on the device already: as it is (only host memory pins)
     return values.pin_memory().to(device, non_blocking=True)
