@@ -1052,9 +1052,9 @@ def test_requests_admitted_together_share_prefill_calls_by_bucket_and_length():
         assert tokens == alone(r.prompt, 4) and end == Finished("length")
 
 
-def test_a_failing_prompt_in_a_shared_prefill_fails_alone():
+def test_a_failing_prompt_in_a_shared_prefill_fails_alone(caplog):
     """A prompt that breaks a shared prefill call: the call is retried one prompt at a
-    time, so only that request fails and its neighbours answer."""
+    time, so only that request fails and its neighbours answer; the log says it once."""
     b = Bucket(4, 32)
     m = BatchedModel()
     rs = [request([20 + i, 5], 3) for i in range(3)]
@@ -1066,8 +1066,11 @@ def test_a_failing_prompt_in_a_shared_prefill_fails_alone():
         h.start()
         return [await h.result(r) for r in rs]
 
-    out = serve(body, [b], m, start=False)
+    with caplog.at_level("WARNING", logger="inf2_pipeline.serve"):
+        out = serve(body, [b], m, start=False)
     assert [e for e in m.log if e[0] == "prefill_many"] == []  # the shared call failed
+    said = [r.getMessage() for r in caplog.records if "prefill call of" in r.getMessage()]
+    assert len(said) == 1 and "3 prompts in b4_s32 failed (RuntimeError" in said[0]
     assert isinstance(out[1][1], Failed) and "broke" in out[1][1].message
     for i in (0, 2):
         assert out[i] == (alone(rs[i].prompt, 3), Finished("length"))

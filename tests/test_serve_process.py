@@ -187,10 +187,10 @@ def test_prefill_merge_answers_as_prefills_by_length_do(release, tmp_path):
     every answer is the one prefills by length give."""
     prompts = [([1, 2, 3], 5), (list(range(3, 40)), 4), ([7, 8], 6), (list(range(5, 25)), 3)]
     answers = {}
-    ways = ((), ("--prefill-merge", "64"), ("--prefill-merge", "auto"))
+    ways = (("--prefill-merge", "0"), ("--prefill-merge", "64"), ())  # () : auto, the default
     for i, flags in enumerate(ways):
         log = tmp_path / f"serve{i}.log"
-        flags = (*flags, "--max-prefills", "8") if flags else flags
+        flags = (*flags, "--max-prefills", "8") if i else flags
         with ServerProcess(release, log, *flags, step_delay_s=STEP_DELAY_S) as s:
             s.wait_ready()
             answers[flags] = together(s.url, prompts)

@@ -64,9 +64,9 @@ def serve(
             "when that pads it by at most this many positions (one call's fixed cost saved; "
             "0: only prompts of one length share a call). auto: time each bucket's prefill "
             "calls at start-up and split each iteration's prompts into the calls that cost "
-            "least.",
+            "least (the default).",
         ),
-    ] = "0",
+    ] = "auto",
     batching: Annotated[
         str,
         typer.Option(

@@ -148,6 +148,7 @@ class Engine:
         self._out: list[tuple[Request, Event]] = []
         self._inflight: list[_Call] = []  # steps launched, read at the next iteration
         self._calls = {"prefill": 0.0, "step": 0.0}  # this iteration's model-call seconds
+        self._said: set[tuple[Bucket, str, str]] = set()  # shared-call failures logged
         for r in self._resident:
             self.hooks.slots(r.bucket, 0)
 
@@ -325,8 +326,10 @@ class Engine:
                 part = [(slot, req) for _, req, slot in items]
                 call = None
                 if len(part) > 1:
-                    with contextlib.suppress(Exception):
+                    try:
                         call = self._launch_prefill(res, part, computed)
+                    except Exception as e:  # again one prompt a call: said once per cause
+                        self._shared_failed(bucket, len(part), e)
                 if call is not None:
                     calls.append(call)
                     continue
@@ -337,6 +340,23 @@ class Engine:
                         self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
             self.hooks.slots(bucket, len(res.rows))
         return calls
+
+    def _shared_failed(self, bucket: Bucket, prompts: int, e: Exception) -> None:
+        """A shared prefill call raised at launch: its prompts go one a call, and the log
+        says so once per bucket and cause (a systematic failure would otherwise only show
+        as slower prefills: on cuda, calls of more prompts than were graphed did, until
+        2026-12-04)."""
+        cause = (bucket, type(e).__name__, str(e)[:200])
+        if cause not in self._said:
+            self._said.add(cause)
+            log.warning(
+                "a prefill call of %d prompts in %s failed (%s: %s); its prompts go one a "
+                "call (said once)",
+                prompts,
+                bucket.name,
+                type(e).__name__,
+                e,
+            )
 
     def _launch_prefill(
         self, res: _Resident, rows: list[tuple[int, Request]], computed: int

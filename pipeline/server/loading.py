@@ -28,7 +28,7 @@ class ServeOptions:
     widest_from_idle: bool = False  # several waiting, nothing running: open the widest
     # a prompt may share a prefill call at a longer length that pads it by at most this;
     # "auto": the calls that cost least by each bucket's prefill calls, timed at start-up
-    prefill_merge: int | str = 0
+    prefill_merge: int | str = "auto"
     batching: str = "iteration"  # or "static": the batch-at-a-time baseline
     api_key: str | None = None  # required as `Authorization: Bearer` on /v1 when set
     # a chat answer's length when the request names none (None: what the largest bucket
@@ -109,7 +109,9 @@ def make_engine(
 ) -> Engine:
     o = options
     auto = o.prefill_merge == "auto"
-    costs = measure_all(model, list(resident)) if auto else None
+    # the largest call the engine makes: max_prefills prompts (static fills a whole bucket)
+    most = None if o.batching == "static" else o.max_prefills
+    costs = measure_all(model, list(resident), most) if auto else None
     return Engine(
         model,
         resident,

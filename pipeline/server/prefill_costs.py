@@ -66,13 +66,22 @@ def prompt_counts(limit: int) -> list[int]:
     return counts
 
 
+SLOW_S = 0.05  # a call this slow is compute: timed once, and no larger count at its length
+
+
 def measure(
-    slots: Any, reps: int = 3, clock: Callable[[], float] = time.perf_counter
+    slots: Any,
+    reps: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+    limit: int | None = None,
 ) -> PrefillCosts | None:
-    """Time the bucket's prefill calls (the median of ``reps``, after one untimed call), in
-    its first rows, freed after; None where the slots take one prompt a call (neuron: its
-    context encoding runs at batch 1), so there is nothing to choose."""
-    size = min(int(getattr(slots, "prefill_batch", 1)), int(slots.batch))
+    """Time the bucket's prefill calls of up to ``limit`` prompts (default: as many as a
+    call takes), the median of ``reps`` after one untimed call, in its first rows, freed
+    after; None where the slots take one prompt a call (neuron: its context encoding runs at
+    batch 1), so there is nothing to choose. Start-up stays short on a slow device: a call
+    slower than ``SLOW_S`` is timed once, and larger counts at its length are not timed
+    (their cost is taken as proportional: such calls are compute)."""
+    size = min(int(getattr(slots, "prefill_batch", 1)), int(slots.batch), limit or 1 << 30)
     lengths = getattr(slots, "prefill_lengths", None)
     if size <= 1 or not lengths or not hasattr(slots, "prefill_many"):
         return None
@@ -80,23 +89,28 @@ def measure(
     for length in lengths:
         for p in prompt_counts(size):
             rows, prompts = list(range(p)), [[0] * length for _ in range(p)]
-            took = []
+            took: list[float] = []
             for rep in range(reps + 1):
                 t = clock()
                 slots.prefill_many(rows, prompts)  # returns the tokens: the call has ended
-                if rep:
-                    took.append(clock() - t)
+                took.append(clock() - t)
                 for r in rows:
                     slots.free(r)
-            seconds[p, length] = statistics.median(took)
+                if rep == 1 and took[-1] > SLOW_S:
+                    break
+            seconds[p, length] = statistics.median(took[1:] or took)
+            if seconds[p, length] > SLOW_S:
+                break
     return PrefillCosts(seconds)
 
 
-def measure_all(model: Any, buckets: list[Any]) -> dict[Any, PrefillCosts]:
+def measure_all(
+    model: Any, buckets: list[Any], limit: int | None = None
+) -> dict[Any, PrefillCosts]:
     """``measure`` for each resident bucket that has a choice, logged."""
     out = {}
     for bucket in buckets:
-        costs = measure(model.slots(bucket))
+        costs = measure(model.slots(bucket), limit=limit)
         if costs is not None:
             log.info("prefill calls of %s: %s", bucket.name, costs.describe())
             out[bucket] = costs
