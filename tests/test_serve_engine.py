@@ -1454,49 +1454,40 @@ def test_cheapest_prefills_shares_calls_where_a_call_costs_more_than_its_padding
     assert cheapest_prefills([], 4, gpu_like) == []
 
 
+def shared_prefill_calls(**flags) -> list[tuple[int, ...]]:
+    """Three prompts of prefill lengths 16, 32, 16 (bucket b8_s64) admitted in one
+    iteration: the slots of each shared prefill call, after checking every answer is the
+    prompt's alone."""
+    b = Bucket(8, 64)
+    m = BatchedModel(prefill_lengths={b: (16, 32)})
+    rs = [request([10, 3], 4), request(list(range(3, 23)), 4), request([11, 4, 5], 4)]
+
+    async def body(h):
+        for r in rs:
+            h.engine.submit(r)
+        h.start()
+        return [await h.result(r) for r in rs]
+
+    costs = flags.pop("cost", None)
+    if costs is not None:
+        flags["prefill_costs"] = {b: costs}
+    out = serve(body, [b], m, start=False, max_prefills=8, **flags)
+    for r, (tokens, end) in zip(rs, out, strict=True):
+        assert tokens == alone(r.prompt, 4) and end == Finished("length")
+    return [e[2] for e in m.log if e[0] == "prefill_many"]
+
+
 def test_measured_prefill_costs_choose_the_engine_s_calls():
     """With a bucket's prefill costs, an iteration's prompts go into the cheapest calls: all
     in one where calls cost more than padding, by length where positions cost more."""
-    b = Bucket(8, 64)
-
-    def run(cost):
-        m = BatchedModel(prefill_lengths={b: (16, 32)})
-        rs = [request([10, 3], 4), request(list(range(3, 23)), 4), request([11, 4, 5], 4)]
-
-        async def body(h):
-            for r in rs:
-                h.engine.submit(r)
-            h.start()
-            return [await h.result(r) for r in rs]
-
-        out = serve(body, [b], m, start=False, max_prefills=8, prefill_costs={b: cost})
-        for r, (tokens, end) in zip(rs, out, strict=True):
-            assert tokens == alone(r.prompt, 4) and end == Finished("length")
-        return [e[2] for e in m.log if e[0] == "prefill_many"]
-
-    assert run(gpu_like) == [(1, 0, 2)]  # all three at 32, the longest first
-    assert run(cpu_like) == [(0, 2)]  # the two of length 16 together, the other alone
+    assert shared_prefill_calls(cost=gpu_like) == [(1, 0, 2)]  # all at 32, the longest first
+    assert shared_prefill_calls(cost=cpu_like) == [(0, 2)]  # the 16s together, the 32 alone
 
 
 def test_prefill_merge_shares_a_call_across_prefill_lengths_and_answers_stay_alone():
     """With prefill_merge, a short prompt rides in a longer prompt's prefill call when the
     padding is within the bound; every answer is still the prompt's alone."""
-    b = Bucket(8, 64)
-
-    def run(**flags):
-        m = BatchedModel(prefill_lengths={b: (16, 32)})
-        rs = [request([10, 3], 4), request(list(range(3, 23)), 4), request([11, 4, 5], 4)]
-
-        async def body(h):
-            for r in rs:
-                h.engine.submit(r)
-            h.start()
-            return [await h.result(r) for r in rs]
-
-        out = serve(body, [b], m, start=False, max_prefills=8, **flags)
-        for r, (tokens, end) in zip(rs, out, strict=True):
-            assert tokens == alone(r.prompt, 4) and end == Finished("length")
-        return [e[2] for e in m.log if e[0] == "prefill_many"]
+    run = shared_prefill_calls
 
     # prefill lengths 16, 32, 16: merged, one call of all three at 32, the longest first
     assert run(prefill_merge=16) == [(1, 0, 2)]
