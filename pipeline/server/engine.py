@@ -57,8 +57,10 @@ from pipeline.server.jobs import (
     QueueFull,
     Request,
     Tokens,
+    put_events,
+    sampling_args,
 )
-from pipeline.server.placement import BucketSlots, cheapest_prefills, merged_prefills, place
+from pipeline.server.placement import BucketSlots, place, prefill_calls
 
 log = logging.getLogger("inf2_pipeline.serve")
 
@@ -125,7 +127,7 @@ class Engine:
             assert loop is not None, "an engine without deliver needs the event loop"
 
             def deliver(items: list[tuple[Request, Event]]) -> None:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(put_events, items)
 
         self._send = deliver
         self.max_queue = max_queue
@@ -301,10 +303,8 @@ class Engine:
         """Launch prefills of what was admitted: requests of one bucket and one prefill length
         share a call where the slots take several (``prefill_many``), else one call each; a
         shared call that raises is launched again one prompt at a time, so only the culprit
-        fails. With ``prefill_merge`` N, a prompt also joins a call at a longer prefill length
-        of its bucket when that adds at most N positions to it (one call's fixed cost saved
-        for the padding: ``merged_prefills``); with a bucket's measured ``prefill_costs``,
-        its prompts go into the calls that cost least (``cheapest_prefills``)."""
+        fails. ``prefill_merge`` and a bucket's measured ``prefill_costs`` say which prompts
+        share a call (``placement.prefill_calls``)."""
         per_bucket: dict[Bucket, list[tuple[int, Request, int]]] = {}
         for req, res, slot in admitted:
             res.rows[slot] = req
@@ -317,12 +317,7 @@ class Engine:
             shared = hasattr(res.slots, "launch_prefill") or hasattr(res.slots, "prefill_many")
             size = int(getattr(res.slots, "prefill_batch", 1)) if shared else 1
             cost = self.prefill_costs.get(bucket)
-            grouped = (
-                cheapest_prefills(admitted_here, size, cost)
-                if cost is not None
-                else merged_prefills(admitted_here, size, self.prefill_merge)
-            )
-            for computed, items in grouped:
+            for computed, items in prefill_calls(admitted_here, size, self.prefill_merge, cost):
                 part = [(slot, req) for _, req, slot in items]
                 call = None
                 if len(part) > 1:
@@ -342,28 +337,20 @@ class Engine:
         return calls
 
     def _shared_failed(self, bucket: Bucket, prompts: int, e: Exception) -> None:
-        """A shared prefill call raised at launch: its prompts go one a call, and the log
-        says so once per bucket and cause (a systematic failure would otherwise only show
-        as slower prefills: on cuda, calls of more prompts than were graphed did, until
-        2026-12-04)."""
+        """Logged once per bucket and cause: a systematic failure would otherwise show only as
+        slower prefills (on cuda, calls of more prompts than were graphed did, to 2026-12-04)."""
         cause = (bucket, type(e).__name__, str(e)[:200])
         if cause not in self._said:
             self._said.add(cause)
-            log.warning(
-                "a prefill call of %d prompts in %s failed (%s: %s); its prompts go one a "
-                "call (said once)",
-                prompts,
-                bucket.name,
-                type(e).__name__,
-                e,
-            )
+            msg = "a prefill call of %d prompts in %s failed (%s: %s); one a call (said once)"
+            log.warning(msg, prompts, bucket.name, type(e).__name__, e)
 
     def _launch_prefill(
         self, res: _Resident, rows: list[tuple[int, Request]], computed: int
     ) -> _Call:
         slots, reqs = [s for s, _ in rows], [r for _, r in rows]
         prompts = [r.prompt for r in reqs]
-        sampling = _sampling(reqs)
+        sampling = sampling_args(reqs)
         launch = getattr(res.slots, "launch_prefill", None) if self.overlap else None
         with self._timed("prefill"):
             if launch is not None:
@@ -508,16 +495,3 @@ def prefill_positions(res: _Resident, n: int) -> int:
     say they use (cpu/cuda: the shortest prefill graph that holds n), else the bucket's."""
     positions = getattr(res.slots, "prefill_positions", None)
     return int(positions(n)) if positions is not None else res.bucket.seq
-
-
-def _sampling(reqs: list[Request], one: bool = False) -> tuple[Any, ...]:
-    """The sampling argument of a prefill call: none where every request is greedy (so
-    slots that only decode greedily need not take one)."""
-    if all(r.sampling.greedy for r in reqs):
-        return ()
-    return (reqs[0].sampling,) if one else ([r.sampling for r in reqs],)
-
-
-def _deliver(items: list[tuple[Request, Event]]) -> None:
-    for r, event in items:
-        r.events.put_nowait(event)

@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipeline.contracts.bucket import Bucket
 from pipeline.runtime.sampling import GREEDY, SamplingParams
@@ -83,3 +83,17 @@ class Hooks(Protocol):
 class NoHooks:
     def __getattr__(self, name: str) -> Callable[..., None]:
         return lambda *a, **k: None
+
+
+def sampling_args(reqs: list[Request]) -> tuple[Any, ...]:
+    """The sampling argument of a prefill call: none where every request is greedy (so
+    slots that only decode greedily need not take one)."""
+    if all(r.sampling.greedy for r in reqs):
+        return ()
+    return ([r.sampling for r in reqs],)
+
+
+def put_events(items: list[tuple[Request, Event]]) -> None:
+    """Each event onto its request's queue (on the event loop)."""
+    for r, event in items:
+        r.events.put_nowait(event)

@@ -133,6 +133,19 @@ def _choose(open_: list[BucketSlots], demand: int) -> BucketSlots:
     return next((b for b in idle if b.bucket.batch >= demand), idle[-1])
 
 
+def prefill_calls(
+    items: list[tuple[int, R, int]],
+    size: int,
+    merge: int,
+    cost: Callable[[int, int], float] | None = None,
+) -> list[tuple[int, list[tuple[int, R, int]]]]:
+    """One bucket's prefill calls: by its measured ``cost`` where it has one
+    (``cheapest_prefills``), else within the padding ``merge`` allows (``merged_prefills``)."""
+    if cost is not None:
+        return cheapest_prefills(items, size, cost)
+    return merged_prefills(items, size, merge)
+
+
 def merged_prefills(
     items: list[tuple[int, R, int]], size: int, merge: int
 ) -> list[tuple[int, list[tuple[int, R, int]]]]:
