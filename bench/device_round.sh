@@ -7,7 +7,9 @@
 #   WAYS2048, WAYS256: bench_serve's --ways for the two replays; ARGS2048, ARGS256: more
 #   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'";
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
-#   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256)
+#   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
+#   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
+#   STAGES=pull SKIP_COMPILE=1 runs it alone)
 unset CXX  # the device image's wrapper breaks AOTInductor packages
 T0=$(date +%s); BUDGET=${BUDGET:-575}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -36,7 +38,7 @@ run() {
   # the serve figures first, each stage in a call as the budget allows: compile (~460 s),
   # then STAGES in order (default: serve2048, serve256 (its peer last: a cut-short stage
   # keeps what its JSON already has), decode, sampler)
-  stage compile 120 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
+  [ -n "${SKIP_COMPILE:-}" ] || stage compile 120 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches "${LONG_BATCHES-1,8,32}" --compile-only --out "$R/compile.json" || return
   for s in ${STAGES:-serve2048 serve256 decode sampler}; do "stage_$s" || return; done
   echo "== done"
@@ -56,6 +58,12 @@ stage_decode() {
     --long-batches 1,8,32 --out "$R/cuda-decode.json"
 }
 stage_sampler() { stage sampler 60 python3 bench/bench_sampler.py; }
+stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments included)
+  stage pull 240 python3 bench/bench_pull.py --gib 16 --shapes 4,64 \
+    --pulls "${PULLS:-lean,lean-procs4:64,lean-procs8:64,lean-lowat}" \
+    --skip curl,boto3,gil,stages --best-of 1 --nginx .devrun/bin/nginx-wrap \
+    --s5cmd .devrun/bin/s5cmd --out "$R/pull16.json"
+}
 run
 # the figures, not the logs of every server (the copy back has a file count limit)
 cp "$R"/*.json "$R"/sampler.log "$OUT"/ 2>/dev/null; ls "$R"
