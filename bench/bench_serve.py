@@ -37,6 +37,7 @@ server's /metrics, scraped before and after each way. Loopback only; stops by it
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import http.client
 import itertools
@@ -54,6 +55,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -182,14 +184,13 @@ def replay(
     While streaming, a thread only stamps each ``data:`` line with its arrival time; the
     JSON is parsed after the clock stops, so parsing does not delay the other threads."""
     procs = max(1, min(procs, concurrency))
+    send = functools.partial(_clients, url, name, work, timeout, sampling, arrivals)
     if procs == 1:
         start = time.perf_counter()
-        raw, errors = _clients(url, name, work, concurrency, timeout, sampling, arrivals, start)
+        raw, errors = send(concurrency, start)
         wall = time.perf_counter() - start
     else:
-        wall, raw, errors = _client_procs(
-            url, name, work, concurrency, timeout, sampling, arrivals, procs
-        )
+        wall, raw, errors = _client_procs(send, len(work), concurrency, procs, timeout)
     answers: list[Answer | None] = []
     for i in range(len(work)):
         item = raw.get(i)
@@ -227,10 +228,10 @@ def _clients(
     url: str,
     name: str,
     work: Work,
-    threads_n: int,
     timeout: float,
     sampling: dict[str, float] | None,
     arrivals: list[float] | None,
+    threads_n: int,
     start: float,
     take: Any = None,
 ) -> tuple[dict[int, Raw], list[str]]:
@@ -318,18 +319,16 @@ def _clients(
 
 
 def _client_procs(
-    url: str,
-    name: str,
-    work: Work,
+    send: Callable[..., tuple[dict[int, Raw], list[str]]],
+    requests: int,
     concurrency: int,
-    timeout: float,
-    sampling: dict[str, float] | None,
-    arrivals: list[float] | None,
     procs: int,
+    timeout: float,
 ) -> tuple[float, dict[int, Raw], list[str]]:
-    """``_clients`` in ``procs`` forked processes sharing one counter of requests handed
-    out (so each sends the next when one of its threads frees, as in one process). They are
-    forked first and started together, so the clock does not count the forks."""
+    """``send`` (``_clients`` bound to the replay) in ``procs`` forked processes sharing one
+    counter of the ``requests`` handed out (so each sends the next when one of its threads
+    frees, as in one process). They are forked first and started together, so the clock
+    does not count the forks."""
     ctx = multiprocessing.get_context("fork")
     counter = ctx.Value("i", 0)
     start = ctx.Value("d", 0.0)
@@ -340,11 +339,11 @@ def _client_procs(
         with counter.get_lock():
             i = counter.value
             counter.value += 1
-        return i if i < len(work) else None
+        return i if i < requests else None
 
     def child(threads_n: int) -> None:
         go.wait()
-        got = _clients(url, name, work, threads_n, timeout, sampling, arrivals, start.value, take)
+        got = send(threads_n, start.value, take)
         results.put((time.perf_counter(), got))  # when its last thread ended
 
     shares = [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
@@ -358,7 +357,7 @@ def _client_procs(
         start.value = time.perf_counter()
         go.set()
         for _ in kids:  # read before join: a child blocks on a full queue until read
-            t, (got, errs) = results.get(timeout=timeout * len(work) + 60)
+            t, (got, errs) = results.get(timeout=timeout * requests + 60)
             end = max(end, t)
             raw.update(got)
             errors += errs
@@ -576,20 +575,28 @@ def replay_decode(
     }
 
 
+def _home(model: Any, need: int) -> Any:
+    """The bucket of the largest batch whose length holds ``need`` positions (the shortest
+    such length on a tie)."""
+    fits = [b for b in model.buckets if b.seq >= need]
+    return max(fits, key=lambda b: (b.batch, -b.seq))
+
+
+def _positions(slots: Any, n: int) -> int:
+    """Positions a prefill of n tokens computes in these slots."""
+    f = getattr(slots, "prefill_positions", None)
+    return int(f(n)) if f is not None else slots.seq
+
+
 def prefill_alone(model: Any, work: Work, reps: int) -> dict[str, Any]:
     """Each request's prompt prefilled alone, in slot 0 of the bucket of the largest batch
     whose length holds prompt + answer (the shortest such length on a tie); the best of
     ``reps`` per distinct prompt, after one untimed prefill of each (bucket, prefill length)."""
 
     def home(p: list[int], g: int) -> Any:
-        need = model.tokens_needed(len(p), g)
-        fits = [b for b in model.buckets if b.seq >= need]
-        return max(fits, key=lambda b: (b.batch, -b.seq))
+        return _home(model, model.tokens_needed(len(p), g))
 
-    def positions(slots: Any, n: int) -> int:
-        f = getattr(slots, "prefill_positions", None)
-        return int(f(n)) if f is not None else slots.seq
-
+    positions = _positions
     warmed: set = set()
     best: dict[tuple, float] = {}
     per_request = []
@@ -624,21 +631,18 @@ def burst_shared(model: Any, work: Work, clients: list[int], reps: int) -> dict[
     as the largest batch holds) prefilled together into one bucket's slots, split into calls
     as ``serve --prefill-merge auto`` would split them (by that bucket's measured call
     costs), the best of ``reps``. The last first token of the burst comes no sooner."""
-    from pipeline.server.placement import cheapest_prefills
+    from pipeline.server.placement import prefill_calls
     from pipeline.server.prefill_costs import measure
 
     out: dict[str, Any] = {}
     for c in (c for c in clients if c > 1):
-        need = max(model.tokens_needed(len(p), g) for p, g in work[:c])
-        fits = [b for b in model.buckets if b.seq >= need]
-        bucket = max(fits, key=lambda b: (b.batch, -b.seq))
+        bucket = _home(model, max(model.tokens_needed(len(p), g) for p, g in work[:c]))
         slots = model.slots(bucket)
         first = work[: min(c, bucket.batch)]
         costs = measure(slots)
-        f = getattr(slots, "prefill_positions", None)
-        items = [(int(f(len(p))) if f else bucket.seq, p, i) for i, (p, _) in enumerate(first)]
+        items = [(_positions(slots, len(p)), p, i) for i, (p, _) in enumerate(first)]
         size = int(getattr(slots, "prefill_batch", 1)) if costs else 1
-        calls = cheapest_prefills(items, size, costs or (lambda n, t: float(n)))
+        calls = prefill_calls(items, size, 0, costs)  # no costs: one prompt a call
         timed = []
         for rep in range(max(reps, 1) + 1):  # the first untimed
             _sync(model.device)

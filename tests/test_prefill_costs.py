@@ -91,3 +91,11 @@ def test_nothing_is_measured_where_a_call_takes_one_prompt():
 def test_outside_the_measured_counts_a_cost_is_proportional():
     costs = PrefillCosts({(2, 16): 2.0, (4, 16): 3.0})
     assert costs(1, 16) == 1.0 and costs(8, 16) == 6.0 and costs(3, 16) == 2.5
+
+
+def test_the_counts_timed_one_by_one_are_those_cuda_graphs():
+    pytest.importorskip("torch")
+    from pipeline.runtime.decode_session import PREFILL_GRAPH_PROMPTS
+    from pipeline.server.prefill_costs import GRAPHED_PROMPTS
+
+    assert GRAPHED_PROMPTS == PREFILL_GRAPH_PROMPTS

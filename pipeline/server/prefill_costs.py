@@ -16,12 +16,15 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("inf2_pipeline.serve")
 
-GRAPHED_PROMPTS = 8  # every prompt count up to here (cuda graphs a call of each), then doublings
+# every prompt count up to here is timed, then doublings: cuda graphs a call of each count up
+# to runtime.decode_session.PREFILL_GRAPH_PROMPTS (not imported: it would bring torch into the
+# server's process; tests/test_prefill_costs.py keeps the two equal)
+GRAPHED_PROMPTS = 8
 
 
 @dataclass(frozen=True)
@@ -29,11 +32,19 @@ class PrefillCosts:
     """Median seconds of one prefill call, by (prompts, prefill length)."""
 
     seconds: dict[tuple[int, int], float]
+    # (prompts, seconds) rising, by length: the engine asks many times an iteration
+    _by_length: dict[int, list[tuple[int, float]]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        by_length: dict[int, list[tuple[int, float]]] = {}
+        for (p, t), s in sorted(self.seconds.items()):
+            by_length.setdefault(t, []).append((p, s))
+        object.__setattr__(self, "_by_length", by_length)
 
     def __call__(self, prompts: int, length: int) -> float:
         """A call's cost, interpolated linearly between the prompt counts measured at its
         length (every call the engine makes is within them)."""
-        at = sorted((p, s) for (p, t), s in self.seconds.items() if t == length)
+        at = self._by_length.get(length)
         if not at:
             raise KeyError(f"no prefill call of length {length} was measured")
         for (p0, s0), (p1, s1) in itertools.pairwise(at):
@@ -43,13 +54,9 @@ class PrefillCosts:
         return s * prompts / p  # outside what was measured: proportional
 
     def describe(self) -> str:
-        lengths = sorted({t for _, t in self.seconds})
         return "; ".join(
-            f"{t}: "
-            + " ".join(
-                f"{p}×{s * 1e3:.2f}ms" for (p, u), s in sorted(self.seconds.items()) if u == t
-            )
-            for t in lengths
+            f"{t}: " + " ".join(f"{p}×{s * 1e3:.2f}ms" for p, s in at)
+            for t, at in sorted(self._by_length.items())
         )
 
 
