@@ -42,6 +42,17 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=_watch, args=(parent,), name="parent-watch", daemon=True).start()
 
 
+def killed_with_parent(parent: int) -> None:
+    """The kernel's parent-death signal alone, as SIGKILL, and no watch thread: for a
+    process forked by a server before its threads exist (the engine's, an HTTP front), which
+    holds nothing to clean up. Linux only, as the server's forks are."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os._exit(0)
+
+
 def _watch(parent: int) -> None:
     # An orphan's parent becomes init or a subreaper, never the dead parent's pid again.
     while os.getppid() == parent:
@@ -58,4 +69,4 @@ def end_group() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["PARENT_DEATH_SIGNAL", "WATCH_S", "die_with_parent", "end_group"]
+__all__ = ["PARENT_DEATH_SIGNAL", "WATCH_S", "die_with_parent", "end_group", "killed_with_parent"]

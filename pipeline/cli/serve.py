@@ -111,6 +111,16 @@ def serve(
             "--no-engine-process: a thread of the server's process.",
         ),
     ] = True,
+    http_workers: Annotated[
+        int,
+        typer.Option(
+            "--http-workers",
+            min=1,
+            help="HTTP processes in front of the one engine, sharing the port: each streams "
+            "its own clients' tokens, so the SSE writes of many streams use more than one "
+            "core. Their metrics are summed at /metrics.",
+        ),
+    ] = 1,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -131,6 +141,12 @@ def serve(
     if batching not in ("iteration", "static"):
         raise InputError(f"--batching {batching}", "unknown", "use iteration or static")
     merge = _prefill_merge(prefill_merge)
+    if http_workers > 1 and not engine_process:
+        raise InputError(
+            f"--http-workers {http_workers}",
+            "needs the engine in a process of its own, which every HTTP process talks to",
+            "drop --no-engine-process, or serve with --http-workers 1",
+        )
     if api_key is not None and not api_key.strip():
         raise InputError(
             "--api-key (or INF2_SERVE_API_KEY)",
@@ -168,6 +184,7 @@ def serve(
             coalesce=coalesce,
             overlap=overlap,
             engine_process=engine_process,
+            http_workers=http_workers,
             trust=keys,
         )
     )

@@ -18,7 +18,6 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pipeline.server import chat, protocol
 from pipeline.server.admission import admit, admit_chat
@@ -49,14 +48,18 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        body = {"status": service.phase}
+        phase = service.phase
+        if service.ready and not service.all_ready:
+            phase = "starting the other HTTP processes"
+        body = {"status": phase}
         if service.error:
             body["error"] = service.error
-        return JSONResponse(body, status_code=200 if service.ready else 503)
+        return JSONResponse(body, status_code=200 if service.all_ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        body, media_type = service.metrics.exposition()
+        return Response(body, media_type=media_type)
 
     async def authorized(authorization: str | None = Header(default=None)) -> None:
         try:

@@ -25,13 +25,19 @@ records say it was admitted), so a full queue is still a 503 at once. The engine
 SIGINT and SIGTERM (the server drains it); it exits when the server's end closes, and the
 kernel kills it if the server dies (``PR_SET_PDEATHSIG``): it never outlives the server.
 If it dies, every request it held fails and the server stops, as after ``EngineFailed``.
+
+With ``--http-workers N`` (``pipeline.server.fronts``) the engine has one socket pair per HTTP
+process and multiplexes them: front ``i`` numbers its requests ``i + 1, i + 1 + N, ...``, so
+a request's events go back to the front that sent it; the engine's own measurements go to
+front 0 (the metrics of all fronts are summed at ``/metrics``), an admission to the front
+whose queue count it lowers. The queue count is one integer in shared memory, so
+``--max-queue`` bounds the requests waiting in all fronts together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import logging
 import multiprocessing
@@ -42,6 +48,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline._procs import killed_with_parent
 from pipeline.contracts.bucket import Bucket
 from pipeline.server.jobs import (
     Closed,
@@ -56,7 +63,6 @@ from pipeline.server.jobs import (
 
 log = logging.getLogger("inf2_pipeline.serve")
 
-PR_SET_PDEATHSIG = 1  # prctl(2)
 JOIN_S = 10.0  # after "stopped", how long the engine's process may take to exit
 
 
@@ -65,7 +71,16 @@ class EngineProcess:
     ``cancel``, ``close``, ``largest``, ``max_queue``, ``depth``), answered by the engine's
     process. Every method runs on the event loop."""
 
-    def __init__(self, proc: Any, conn: Any, max_queue: int, listener: Any) -> None:
+    def __init__(
+        self,
+        proc: Any,
+        conn: Any,
+        max_queue: int,
+        listener: Any,
+        queued: Any = None,
+        front: int = 0,
+        fronts: int = 1,
+    ) -> None:
         self.proc = proc
         self.conn = conn
         self.max_queue = max_queue
@@ -75,17 +90,31 @@ class EngineProcess:
         self._buckets: dict[str, Bucket] = {}
         self._jobs: dict[int, Request] = {}  # rid -> request, until its end is delivered
         self._waiting: set[int] = set()  # submitted, not admitted yet
-        self._next = 1
+        # the requests waiting in every front (a multiprocessing.Value shared by all)
+        self._queued = queued if queued is not None else multiprocessing.Value("i", 0)
+        self.front = front
+        self._next, self._stride = front + 1, fronts  # this front's request numbers
+        self._owner = os.getpid()  # the engine's parent: only it may join or kill it
         self._closing = False
         self._done: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def fork(
-        cls, options: Any, loader: Callable[[Path], Any], listener: Any, close: Sequence[Any] = ()
-    ) -> EngineProcess:
+        cls,
+        options: Any,
+        loader: Callable[[Path], Any],
+        listener: Any,
+        close: Sequence[Any] = (),
+        fronts: int = 1,
+    ) -> list[EngineProcess]:
+        """The engine's process, and one handle on it per front (HTTP process) to be: the
+        first is this process's; front ``i`` takes the ``i``-th once forked
+        (``only_this``)."""
         ctx = multiprocessing.get_context("fork")
-        mine, theirs = ctx.Pipe()  # a socket pair: both ways, large buffers
+        pairs = [ctx.Pipe() for _ in range(fronts)]  # socket pairs: both ways, large buffers
+        mine = [m for m, _ in pairs]
+        theirs = [t for _, t in pairs]
         proc = ctx.Process(
             target=_engine_main,
             args=(theirs, mine, options, loader, list(close), os.getpid()),
@@ -93,8 +122,21 @@ class EngineProcess:
             daemon=True,
         )
         proc.start()
-        theirs.close()
-        return cls(proc, mine, options.max_queue, listener)
+        for t in theirs:
+            t.close()
+        queued = ctx.Value("i", 0)
+        return [
+            cls(proc, m, options.max_queue, listener, queued, front=i, fronts=fronts)
+            for i, m in enumerate(mine)
+        ]
+
+    def only_this(self, others: Sequence[EngineProcess]) -> EngineProcess:
+        """In the front that owns this handle: close the other fronts' ends, so that the
+        engine sees a front's end close when that front's process ends."""
+        for other in others:
+            if other is not self:
+                other.conn.close()
+        return self
 
     def attach(self, loop: asyncio.AbstractEventLoop, metrics: Any) -> EngineProcess:
         """Start reading the engine's messages on the loop."""
@@ -110,28 +152,40 @@ class EngineProcess:
 
     @property
     def depth(self) -> int:
-        return len(self._waiting)
+        return self._queued.value
 
     def submit(self, req: Request) -> None:
         if req.need > self.largest.seq:
             raise ValueError(f"a request of {req.need} positions fits no resident bucket")
         if self._closing:
             raise Closed
-        if len(self._waiting) >= self.max_queue:
-            raise QueueFull
-        req.rid, self._next = self._next, self._next + 1
+        with self._queued.get_lock():
+            if self._queued.value >= self.max_queue:
+                raise QueueFull
+            self._queued.value += 1
+        req.rid, self._next = self._next, self._next + self._stride
         message = ("submit", req.rid, req.prompt, req.max_tokens, req.need, req.sampling)
         try:
             self.conn.send((*message, req.arrival))
         except OSError:  # the engine's process is gone: _lost says so to everyone
+            self._unqueue(1)
             raise Closed from None
         self._jobs[req.rid] = req
         self._waiting.add(req.rid)
 
+    def _unwait(self, rid: int) -> None:
+        if rid in self._waiting:
+            self._waiting.discard(rid)
+            self._unqueue(1)
+
+    def _unqueue(self, n: int) -> None:
+        with self._queued.get_lock():
+            self._queued.value -= n
+
     def cancel(self, req: Request) -> None:
         req.cancelled = True
         if self._jobs.pop(req.rid, None) is not None:
-            self._waiting.discard(req.rid)
+            self._unwait(req.rid)
             with contextlib.suppress(OSError):
                 self.conn.send(("cancel", req.rid))
 
@@ -145,11 +199,12 @@ class EngineProcess:
         """Until the engine has finished what it held and its process exited."""
         if self._done is not None:
             await self._done.wait()
-        await asyncio.to_thread(self.proc.join, JOIN_S)
-        self.kill()
+        if os.getpid() == self._owner:  # another front's "stopped" is its own to wait for
+            await asyncio.to_thread(self.proc.join, JOIN_S)
+            self.kill()
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        if os.getpid() == self._owner and self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
 
@@ -173,7 +228,7 @@ class EngineProcess:
             elif kind == "ready":
                 self.loaded = message[1]
                 self._buckets = {b.name: b for b in self.loaded.buckets}
-                for b in self.loaded.buckets:
+                for b in self.loaded.buckets if self.front == 0 else ():  # one setter
                     self.metrics.slots(b, 0)
                 self._records(message[2])
                 self.listener.engine_ready(self.loaded)
@@ -200,7 +255,7 @@ class EngineProcess:
             else:
                 event = Finished(what) if isinstance(what, str) else what
                 del jobs[rid]
-                self._waiting.discard(rid)
+                self._unwait(rid)
             req.events.put_nowait(event)
 
     def _records(self, records: list[tuple[Any, ...]]) -> None:
@@ -212,7 +267,7 @@ class EngineProcess:
             elif kind == "itl":
                 m.itl.observe(r[1])
             elif kind == "admitted":
-                self._waiting.discard(r[1])
+                self._unwait(r[1])
                 m.queue_time.observe(r[2])
             elif kind == "queue_depth":
                 m.queue_depth(r[1])
@@ -233,9 +288,12 @@ class EngineProcess:
     def _lost(self) -> None:
         """The engine's process closed its end without saying it stopped: it died."""
         self._finish()
-        self.proc.join(1.0)
-        code = self.proc.exitcode
-        how = f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
+        if os.getpid() == self._owner:
+            self.proc.join(1.0)
+            code = self.proc.exitcode
+            how = f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
+        else:
+            how = "ended"
         message = f"the engine's process {how}"
         self._fail_all(message)
         if self.loaded is None and self.listener.phase != "failed":
@@ -247,6 +305,7 @@ class EngineProcess:
         for req in self._jobs.values():
             req.events.put_nowait(Failed(message))
         self._jobs.clear()
+        self._unqueue(len(self._waiting))
         self._waiting.clear()
 
 
@@ -307,30 +366,58 @@ class Relay:
             self.flush(self.take())
 
 
+def route(
+    fronts: int, items: list[tuple[int, Any]], records: list[tuple[Any, ...]]
+) -> dict[int, tuple[list[tuple[int, Any]], list[tuple[Any, ...]]]]:
+    """An iteration's events and records by front: a request's events to the front that
+    numbered it, an admission to the front whose queue count it lowers, every other record
+    to front 0 (whose metrics ``/metrics`` sums with the others'). Fronts with nothing to
+    hear are left out."""
+    out: dict[int, tuple[list[tuple[int, Any]], list[tuple[Any, ...]]]] = {}
+    if fronts == 1:
+        return {0: (items, records)} if items or records else {}
+    for item in items:
+        out.setdefault((item[0] - 1) % fronts, ([], []))[0].append(item)
+    for r in records:
+        front = (r[1] - 1) % fronts if r[0] == "admitted" else 0
+        out.setdefault(front, ([], []))[1].append(r)
+    return out
+
+
 def _engine_main(
-    conn: Any,
-    theirs: Any,
+    conns: list[Any],
+    theirs: list[Any],
     options: Any,
     loader: Callable[[Path], Any],
     close: list[Any],
     server_pid: int,
 ) -> None:
-    """The engine's process: load, warm, tell the server, run the engine until closed."""
+    """The engine's process: load, warm, tell the fronts, run the engine until closed."""
+    from multiprocessing.connection import wait
+
     from pipeline.server.loading import load_release, make_engine
 
-    theirs.close()
-    for sock in close:
-        sock.close()
+    for end in [*theirs, *close]:
+        end.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the whole group: the server drains
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with(server_pid)
-    lock = threading.Lock()  # the model thread sends, and the receiver for a refusal
+    killed_with_parent(server_pid)
+    # the model thread sends, and the receiver for a refusal: one lock per front's end
+    locks = [threading.Lock() for _ in conns]
 
-    def send(message: tuple[Any, ...]) -> None:
-        with lock:
-            conn.send(message)
+    def send(front: int, message: tuple[Any, ...]) -> None:
+        with locks[front]:
+            conns[front].send(message)
 
-    relay = Relay(lambda records: send(("events", [], records)))
+    def send_all(message: tuple[Any, ...]) -> None:
+        for front in range(len(conns)):
+            send(front, message)
+
+    def send_events(items: list[tuple[int, Any]], records: list[tuple[Any, ...]]) -> None:
+        for front, (its, recs) in route(len(conns), items, records).items():
+            send(front, ("events", its, recs))
+
+    relay = Relay(lambda records: send_events([], records))
     jobs: dict[int, Request] = {}
 
     def deliver(out: list[tuple[Request, Event]]) -> None:
@@ -341,11 +428,11 @@ def _engine_main(
                 continue
             jobs.pop(req.rid, None)
             items.append((req.rid, event.reason if isinstance(event, Finished) else event))
-        send(("events", items, relay.take()))
+        send_events(items, relay.take())
 
     try:
-        model, resident, loaded = load_release(options, loader, lambda p: send(("phase", p)))
-        # the server counts the queue; a margin here for cancels it sent before a submit
+        model, resident, loaded = load_release(options, loader, lambda p: send_all(("phase", p)))
+        # the fronts count the queue; a margin here for cancels sent before a submit
         engine = make_engine(
             model, resident, options, None, relay, deliver=deliver, max_queue=2 * options.max_queue
         )
@@ -354,52 +441,49 @@ def _engine_main(
 
         line = e.one_line() if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
         try:
-            send(("failed", e, line))
+            send_all(("failed", e, line))
         except Exception:  # not picklable: the line says it
-            send(("failed", RuntimeError(line), line))
+            send_all(("failed", RuntimeError(line), line))
         return
 
     def receive() -> None:
         while True:
-            try:
-                message = conn.recv()
-            except (EOFError, OSError):  # the server is gone: nobody to answer
-                os._exit(0)
-            kind = message[0]
-            if kind == "submit":
-                _, rid, prompt, max_tokens, need, sampling, arrival = message
-                req = Request(prompt, max_tokens, need, sampling, arrival=arrival, rid=rid)
-                jobs[rid] = req
+            for conn in wait(conns):
                 try:
-                    engine.submit(req)
-                except (QueueFull, Closed, ValueError) as e:
-                    jobs.pop(rid, None)
-                    # not from this thread: while the server's end blocks sending to us, a
-                    # send here would wait for a reader that waits for us
-                    refusal = ("events", [(rid, Failed(f"refused by the engine: {e!r}"))], [])
-                    threading.Thread(target=send, args=(refusal,), daemon=True).start()
-            elif kind == "cancel":
-                if (req := jobs.pop(message[1], None)) is not None:
-                    engine.cancel(req)
-            elif kind == "close":
-                engine.close()
+                    message = conn.recv()
+                except (EOFError, OSError):  # a front is gone: the server is ending
+                    os._exit(0)
+                handle(conns.index(conn), message)
+
+    def handle(front: int, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "submit":
+            _, rid, prompt, max_tokens, need, sampling, arrival = message
+            req = Request(prompt, max_tokens, need, sampling, arrival=arrival, rid=rid)
+            jobs[rid] = req
+            try:
+                engine.submit(req)
+            except (QueueFull, Closed, ValueError) as e:
+                jobs.pop(rid, None)
+                # not from this thread: while the front's end blocks sending to us, a send
+                # here would wait for a reader that waits for us
+                refusal = ("events", [(rid, Failed(f"refused by the engine: {e!r}"))], [])
+                threading.Thread(target=send, args=(front, refusal), daemon=True).start()
+        elif kind == "cancel":
+            if (req := jobs.pop(message[1], None)) is not None:
+                engine.cancel(req)
+        elif kind == "close":
+            engine.close()
 
     gc.collect()
     gc.freeze()
-    send(("ready", loaded, relay.take()))
+    records = relay.take()
+    for front in range(len(conns)):
+        send(front, ("ready", loaded, records if front == 0 else []))
     threading.Thread(target=receive, name="inf2-serve-engine-receive", daemon=True).start()
     why = None
     try:
         engine.run()
     except EngineFailed as e:  # every request it held was failed
         why = str(e)
-    send(("stopped", why))
-
-
-def _die_with(server_pid: int) -> None:
-    """Linux: the kernel kills this process when the server's dies, even by SIGKILL."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != server_pid:  # the server died before the call took effect
-        os._exit(0)
+    send_all(("stopped", why))

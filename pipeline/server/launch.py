@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import logging
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from pipeline.errors import InputError, PipelineError
+from pipeline.server import fronts
 from pipeline.server.app import create_app
 from pipeline.server.loading import ServeOptions
 from pipeline.server.service import Service
@@ -48,20 +52,43 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(options: ServeOptions) -> None:
     """Run the server until SIGTERM/SIGINT; raises the load error if the release failed."""
-    import uvicorn
-
     sock = _listen(options.host, options.port)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     # uvicorn names its address only for sockets it binds itself; --port 0 needs the real one.
     host, port = sock.getsockname()[:2]
     log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
-    service = Service(options)
-    if options.engine_process:  # forked now: before uvicorn's loop and threads exist
-        service.spawn(close=[sock])
+    n = options.http_workers
+    with fronts.shared_metrics() if n > 1 else contextlib.nullcontext():
+        service = Service(options)
+        if options.engine_process:  # forked now: before uvicorn's loop and threads exist
+            service.spawn(close=[sock], fronts=n)
+        # uvicorn drains on SIGTERM, then re-raises the signal under the handler that was
+        # there before it: this one, so that a clean drain exits 0 rather than dying by it.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        others = fronts.fork(n - 1, lambda i: _front(service.front(i), sock))
+        try:
+            _front(service.front(0), sock, others)
+        finally:
+            fronts.reap(others)
+            service.kill()  # whatever ended the server, the engine's process ends with it
+            sock.close()
+    if isinstance(service.failure, PipelineError):
+        raise service.failure
+    if service.failure is not None:
+        raise PipelineError(f"serve {options.path}", service.error or "failed to load")
+
+
+def _front(service: Service, sock: socket.socket, others: Sequence[Any] = ()) -> int:
+    """One HTTP process: uvicorn on the shared socket until it drains or the service fails;
+    its exit status. Front 0 (``others``: the other fronts' processes) also passes its
+    drain on to them, and fails when one of them ends on its own."""
+    import uvicorn
+
+    o = service.options
     config = uvicorn.Config(
         create_app(service),
-        host=options.host,
-        port=options.port,
+        host=o.host,
+        port=o.port,
         access_log=False,
         log_level="info",
         lifespan="on",
@@ -69,8 +96,20 @@ def serve(options: ServeOptions) -> None:
     )
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            loop = asyncio.get_running_loop()
+            for proc in others:
+                loop.add_reader(proc.sentinel, self.lost, loop, proc)
+
+        def lost(self, loop: asyncio.AbstractEventLoop, proc: Any) -> None:
+            loop.remove_reader(proc.sentinel)
+            if not self.should_exit and service.phase != "failed":
+                service.engine_failed(fronts.ended(proc), "an HTTP process ended")
+
         async def shutdown(self, sockets: Any = None) -> None:
             service.drain()  # at once: take no new requests, finish the admitted ones
+            fronts.terminate(others)
             await super().shutdown(sockets)
 
     server = Server(config)
@@ -79,15 +118,5 @@ def serve(options: ServeOptions) -> None:
         server.should_exit = True
 
     service.on_failure = failed
-    # uvicorn drains on SIGTERM, then re-raises the signal under the handler that was there
-    # before it: this one, so that a clean drain exits 0 rather than dying by the signal.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    try:
-        with sock:
-            server.run(sockets=[sock])
-    finally:
-        service.kill()  # whatever ended the server, the engine's process ends with it
-    if isinstance(service.failure, PipelineError):
-        raise service.failure
-    if service.failure is not None:
-        raise PipelineError(f"serve {options.path}", service.error or "failed to load")
+    server.run(sockets=[sock])
+    return 1 if service.failure is not None else 0

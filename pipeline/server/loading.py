@@ -44,6 +44,9 @@ class ServeOptions:
     # the engine in a process of its own: the HTTP side's Python never holds the GIL the
     # model thread needs between device calls (off: a thread of the server's process)
     engine_process: bool = True
+    # HTTP processes in front of the one engine, sharing the listening socket
+    # (pipeline.server.fronts): the SSE writes of many streams on more than one core
+    http_workers: int = 1
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,17 @@ Padding efficiency of live traffic, per bucket and phase, from
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from pipeline.contracts.bucket import Bucket
 
@@ -25,6 +33,9 @@ _PER_TOKEN = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 
 class Metrics:
     def __init__(self) -> None:
+        # several HTTP processes (serve --http-workers): each writes its own files, and
+        # /metrics sums them (pipeline.server.fronts.shared_metrics)
+        self.shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "inf2_serve_requests",
@@ -60,14 +71,26 @@ class Metrics:
             "KV-cache slots of each resident bucket, by state (busy, free)",
             ["bucket", "state"],
             registry=r,
+            multiprocess_mode="livesum",  # front 0 alone sets it, from the engine's records
         )
         self.queue_depth_gauge = Gauge(
-            "inf2_serve_queue_depth", "Requests waiting for a slot", registry=r
+            "inf2_serve_queue_depth",
+            "Requests waiting for a slot",
+            registry=r,
+            multiprocess_mode="livesum",  # front 0 alone sets it
         )
         self.in_flight = Gauge(
-            "inf2_serve_in_flight", "Requests admitted and not yet answered", registry=r
+            "inf2_serve_in_flight",
+            "Requests admitted and not yet answered",
+            registry=r,
+            multiprocess_mode="livesum",  # each front's own
         )
-        self.ready = Gauge("inf2_serve_ready", "1 once the release is loaded and warm", registry=r)
+        self.ready = Gauge(
+            "inf2_serve_ready",
+            "1 once the release is loaded and warm",
+            registry=r,
+            multiprocess_mode="livemin",  # ready when every front is
+        )
         self.queue_time = Histogram(
             "inf2_serve_queue_time_seconds",
             "Arrival to the prefill that takes a slot",
@@ -102,6 +125,16 @@ class Metrics:
             buckets=_LATENCY,
             registry=r,
         )
+
+    def exposition(self) -> tuple[bytes, str]:
+        """``/metrics``' body and content type: this registry, or every front's files."""
+        if not self.shared:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        from prometheus_client import multiprocess
+
+        summed = CollectorRegistry()
+        multiprocess.MultiProcessCollector(summed)
+        return generate_latest(summed), CONTENT_TYPE_LATEST
 
     # --- the engine's hooks (called on the model thread) ---------------------------------
 

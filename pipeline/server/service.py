@@ -11,6 +11,7 @@ import asyncio
 import functools
 import gc
 import logging
+import multiprocessing
 import socket
 import threading
 from collections.abc import Callable, Sequence
@@ -45,20 +46,46 @@ class Service:
         self.seeded = True
         self.max_topk = 0
         self.thread: threading.Thread | None = None
+        self.handles: list[Any] = []  # one per front (HTTP process), until each takes its own
+        self.quiet = False  # fronts after the first: the first alone logs the release ready
+        self._fronts = 1
+        self._fronts_ready: Any = None  # how many fronts are ready (shared by all of them)
         self._tokenizing: asyncio.Future | None = None  # the process's: its tokenizer loading
         self.on_failure: Callable[[], None] = lambda: None
 
     @property
     def ready(self) -> bool:
+        """This front takes requests."""
         return self.phase == "ready"
 
-    def spawn(self, close: Sequence[socket.socket] = ()) -> None:
+    @property
+    def all_ready(self) -> bool:
+        """Every front takes requests (``/ready``: a probe reaches any one of them)."""
+        shared = self._fronts_ready
+        return self.ready and (shared is None or shared.value >= self._fronts)
+
+    def spawn(self, close: Sequence[socket.socket] = (), fronts: int = 1) -> None:
         """Start the engine's process now: forked before the event loop and its threads
         exist; it loads the release while the server starts listening. ``close``: what the
-        engine must not hold (the listening socket)."""
+        engine must not hold (the listening socket); ``fronts``: the HTTP processes it will
+        answer (``pipeline.server.fronts``), each then taking its own with ``front``."""
         from pipeline.server.engine_process import EngineProcess
 
-        self.process = EngineProcess.fork(self.options, self.loader, self, close=close)
+        self.handles = EngineProcess.fork(
+            self.options, self.loader, self, close=close, fronts=fronts
+        )
+        self.process = self.handles[0]
+        if fronts > 1:
+            self._fronts = fronts
+            self._fronts_ready = multiprocessing.get_context("fork").Value("i", 0)
+
+    def front(self, i: int) -> Service:
+        """In front ``i``'s process: its own handle on the engine, the others' closed."""
+        if self.handles:
+            self.process = self.handles[i].only_this(self.handles)
+            self.handles = []
+        self.quiet = i > 0
+        return self
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.process is not None:
@@ -112,13 +139,13 @@ class Service:
         self.phase = "failed"
         self.on_failure()
 
-    def engine_failed(self, message: str) -> None:
-        """The engine stopped (the device keeps failing, its process died): every request it
-        held was failed; the server stops."""
+    def engine_failed(self, message: str, what: str = "the engine stopped") -> None:
+        """The engine stopped (the device keeps failing, its process died), or another
+        front's process did: every request it held was failed; the server stops."""
         self.failure, self.error = EngineFailed(message), f"EngineFailed: {message}"
         self.phase = "failed"
         self.metrics.ready.set(0)
-        log.error("the engine stopped: %s", message)
+        log.error("%s: %s", what, message)
         self.on_failure()
 
     def _ready(self, loaded: Loaded, tokenizer: Any) -> None:
@@ -132,8 +159,15 @@ class Service:
         gc.freeze()
         self.phase = "ready"
         self.metrics.ready.set(1)
+        if self._fronts_ready is not None:
+            with self._fronts_ready.get_lock():
+                self._fronts_ready.value += 1
+        if self.quiet:
+            return
         names = ", ".join(b.name for b in loaded.buckets)
         where = "its own process" if self.process is not None else "a thread"
+        if self.options.http_workers > 1:
+            where += f", {self.options.http_workers} HTTP processes in front"
         log.info(
             "ready: %s %s on %s (%s; engine in %s)",
             loaded.name,

@@ -1,0 +1,99 @@
+"""Several HTTP processes in front of the one engine (``serve --http-workers N``).
+
+Why: one event loop sends every SSE event, one socket write each. On the H200's current
+replay that is ~9,000 events a second, and a finished row waits for its client's next
+request behind that loop (bench/RESULTS.md, seventeenth round). N fronts share the
+listening socket (the kernel hands each connection to one of them, as uvicorn's and
+gunicorn's own workers do) and each has its own socket pair to the engine's process
+(``engine_process.EngineProcess.fork(fronts=N)``). vLLM makes the same cut with
+``--api-server-count``: several API server processes in front of one engine core, their
+Prometheus metrics summed through ``prometheus_client``'s multiprocess mode.
+
+The process ``serve`` runs in is front 0: it forks the engine first, then fronts 1..N-1
+(before any event loop or thread exists), forwards SIGTERM to them when it drains, and
+fails (exit 1) when one of them ends on its own, as when the engine dies. Each front
+drains its own streams; the engine finishes what every front admitted before it stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pipeline._procs import killed_with_parent
+
+JOIN_S = 10.0  # after front 0 drained (so the engine stopped), how long the others may take
+METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+@contextlib.contextmanager
+def shared_metrics() -> Iterator[str]:
+    """Every process's metrics in files of one temporary folder, summed at ``/metrics``
+    (``prometheus_client.multiprocess``). Entered before the first metric exists: the client
+    picks its value class from the environment at import, so it is picked again here."""
+    from prometheus_client import values
+
+    folder = tempfile.mkdtemp(prefix="inf2-serve-metrics-")
+    before, was = os.environ.get(METRICS_DIR), values.ValueClass
+    os.environ[METRICS_DIR] = folder
+    values.ValueClass = values.get_value_class()
+    try:
+        yield folder
+    finally:
+        values.ValueClass = was
+        if before is None:
+            os.environ.pop(METRICS_DIR, None)
+        else:
+            os.environ[METRICS_DIR] = before
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def fork(n: int, run: Callable[[int], int]) -> list[Any]:
+    """Fronts 1..n: each a forked process running ``run(i)`` (its exit status), killed by the
+    kernel if this one dies."""
+    ctx = multiprocessing.get_context("fork")
+    parent = os.getpid()
+    procs = []
+    for i in range(1, n + 1):
+        proc = ctx.Process(
+            target=_front_main, args=(run, i, parent), name=f"inf2-serve-http-{i}", daemon=True
+        )
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+def _front_main(run: Callable[[int], int], i: int, parent: int) -> None:
+    killed_with_parent(parent)
+    raise SystemExit(run(i))
+
+
+def ended(proc: Any) -> str:
+    """How a front's process ended, for the server's one line."""
+    proc.join(1.0)
+    code = proc.exitcode
+    how = f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
+    return f"the HTTP process {proc.name} (pid {proc.pid}) {how}"
+
+
+def terminate(procs: list[Any]) -> None:
+    """Front 0 drains: the others drain too."""
+    for proc in procs:
+        if proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+
+
+def reap(procs: list[Any]) -> None:
+    """Front 0 is done, so the engine has stopped: the others end now, or are killed."""
+    for proc in procs:
+        proc.join(JOIN_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

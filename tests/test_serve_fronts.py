@@ -1,0 +1,180 @@
+"""``serve --http-workers N`` (``pipeline.server.fronts``): several HTTP processes in front of
+the one engine answer as one does, share one queue bound and one set of metrics, drain
+together on the server's SIGTERM, and a front that dies stops the server as a dead engine
+does; the engine's side routes each front's events back to it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import types
+from urllib.parse import urlparse
+
+import pytest
+
+from pipeline.contracts.bucket import Bucket
+from pipeline.server.engine_process import EngineProcess, route
+from pipeline.server.jobs import QueueFull, Request
+from pipeline.server.metrics import Metrics
+from tests.serve_helpers import REPO, ServerProcess, get, metric
+from tests.test_serve_process import MODEL, STEP_DELAY_S, children, gone, together, wait_until
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+_SERVE = (sys.executable, "-c", "from pipeline.cli import main; main()", "serve")
+PROMPTS = [([1, 2, 3], 6), ([7], 9), ([4, 4, 4, 4, 4], 3), ([9, 8], 12), ([5, 6], 7), ([3], 4)]
+
+
+@pytest.fixture(scope="module")
+def release(installed):
+    return installed[1]
+
+
+def test_route_sends_each_front_its_own_events_and_front_0_the_engines_records():
+    items = [(1, 11), (2, 12), (3, 13), (4, "stop"), (6, 16)]
+    records = [("admitted", 5, 0.01), ("step", "b1_s32", 1), ("admitted", 3, 0.0), ("ttft", 0.1)]
+    out = route(3, items, records)
+    assert out == {
+        0: ([(1, 11), (4, "stop")], [("step", "b1_s32", 1), ("ttft", 0.1)]),
+        1: ([(2, 12)], [("admitted", 5, 0.01)]),
+        2: ([(3, 13), (6, 16)], [("admitted", 3, 0.0)]),
+    }
+    assert route(3, [], []) == {}
+    assert route(1, items, records) == {0: (items, records)}
+    assert route(1, [], []) == {}
+
+
+class _Conn:
+    def __init__(self) -> None:
+        self.sent: list[tuple] = []
+
+    def send(self, message: tuple) -> None:
+        self.sent.append(message)
+
+
+def test_fronts_number_their_requests_apart_and_share_one_queue_bound():
+    """Front i numbers i+1, i+1+N, ...; --max-queue counts what waits in every front, and
+    an admission in one frees a place for all."""
+    import multiprocessing
+
+    queued = multiprocessing.get_context("fork").Value("i", 0)
+    loaded = types.SimpleNamespace(largest=Bucket(batch=2, seq=64))
+    fronts = [EngineProcess(None, _Conn(), 3, None, queued, front=i, fronts=2) for i in range(2)]
+    for f in fronts:
+        f.loaded, f.metrics = loaded, Metrics()
+    a, b = fronts
+    reqs = [Request([1], 2, 3, None) for _ in range(4)]
+    a.submit(reqs[0])
+    b.submit(reqs[1])
+    a.submit(reqs[2])
+    assert [r.rid for r in reqs[:3]] == [1, 2, 3] and a.depth == b.depth == 3
+    with pytest.raises(QueueFull):
+        b.submit(reqs[3])
+    b._records([("admitted", 2, 0.0)])  # front 1's own request leaves the queue
+    assert a.depth == 2
+    b.submit(reqs[3])
+    assert reqs[3].rid == 4 and b.depth == 3
+    a.cancel(reqs[0])
+    a._events([(3, "stop")])  # ends while waiting (cancelled by the engine, say)
+    assert b.depth == 1
+    assert [m[1] for m in b.conn.sent if m[0] == "submit"] == [2, 4]
+
+
+def test_fronts_answer_as_one_front_does_and_sum_their_metrics(release, tmp_path):
+    """The same prompts, sent together, get the same tokens from one front and from three;
+    the server's children are the engine and two fronts; /metrics, whichever front answers
+    it, counts every front's requests and tokens once, and the slots once."""
+    answers, scrapes = {}, {}
+    for n in (1, 3):
+        log = tmp_path / f"serve{n}.log"
+        with ServerProcess(release, log, "--http-workers", str(n)) as s:
+            s.wait_ready()
+            answers[n] = together(s.url, PROMPTS)
+            kids = children(s.proc.pid)
+            scrapes[n] = [get(s.url + "/metrics")[1] for _ in range(6)]
+            assert s.stop() == 0
+        assert len(kids) == n, s.output()
+    assert answers[3] == answers[1]
+    assert [len(a) for a in answers[3]] == [k for _, k in PROMPTS]
+    assert f"{3} HTTP processes in front" in s.output()
+    slots = metric(scrapes[1][0], "inf2_serve_slots", state="free")
+    assert slots > 0
+    for text in scrapes[1] + scrapes[3]:
+        assert metric(text, "inf2_serve_requests_total", outcome="ok") == len(PROMPTS)
+        assert metric(text, "inf2_serve_completion_tokens_total") == sum(k for _, k in PROMPTS)
+        assert metric(text, "inf2_serve_time_to_first_token_seconds_count") == len(PROMPTS)
+        assert metric(text, "inf2_serve_ready") == 1
+        assert metric(text, "inf2_serve_slots", state="free") == slots
+        assert metric(text, "inf2_serve_slots", state="busy") == 0
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int) -> http.client.HTTPResponse:
+    host = urlparse(url)
+    conn = http.client.HTTPConnection(host.hostname, host.port, timeout=120)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    return response
+
+
+def _tokens(text: str) -> int:
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: {")]
+    return sum(len(json.loads(e)["choices"][0]["token_ids"]) for e in events)
+
+
+def test_the_servers_sigterm_drains_every_front(release, tmp_path):
+    """Streams on several connections (the kernel spreads them over the fronts), SIGTERM to
+    the server alone, as the kubelet sends it: every stream ends whole, the server exits 0,
+    and neither the engine nor a front outlives it."""
+    with ServerProcess(
+        release, tmp_path / "serve.log", "--http-workers", "3", step_delay_s=STEP_DELAY_S
+    ) as s:
+        s.wait_ready()
+        kids = children(s.proc.pid)
+        streams = [_stream(s.url, [1 + i, 2], 30) for i in range(6)]
+        for r in streams:
+            assert r.readline().startswith(b"data: ")  # each runs
+        s.proc.send_signal(signal.SIGTERM)
+        rests = [r.read().decode() for r in streams]
+        assert s.proc.wait(60) == 0, s.output()
+    for rest in rests:
+        assert rest.rstrip().endswith("data: [DONE]") and _tokens(rest) == 29, rest
+    for kid in kids:
+        wait_until(lambda kid=kid: gone(kid), 30, "a child outlived the server")
+
+
+def test_a_dead_front_stops_the_server_and_fails_nothing_silently(release, tmp_path):
+    """A front killed outright (the OOM killer, say): the server says which, in one line,
+    exits 1, and takes the engine and the other fronts with it."""
+    with ServerProcess(release, tmp_path / "serve.log", "--http-workers", "2") as s:
+        s.wait_ready()
+        kids = children(s.proc.pid)
+        _engine, front = sorted(kids)  # forked in that order
+        os.kill(front, signal.SIGKILL)
+        assert s.proc.wait(60) == 1, s.output()
+        out = s.output()
+    assert f"(pid {front}) was killed by signal 9" in out, out
+    assert "Traceback" not in out
+    for kid in kids:
+        wait_until(lambda kid=kid: gone(kid), 30, "a child outlived the server")
+
+
+def test_http_workers_need_the_engines_process_in_one_line(release):
+    r = subprocess.run(
+        [*_SERVE, str(release), "--port", "0", "--http-workers", "2", "--no-engine-process"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
+    assert (
+        r.returncode == 2
+        and r.stderr.startswith("error: --http-workers 2: ")
+        and (len(r.stderr.strip().splitlines()) == 1)
+    ), r.stderr
