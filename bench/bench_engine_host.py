@@ -62,13 +62,19 @@ def serve_sim(argv: list[str]) -> None:
     model = SimModel(Path(argv[0]), buckets, timings)
     installed.open_installed = lambda *a, **k: None  # there is no release to check
     service._load_model = lambda path, trust=None: model
-    from prometheus_client import Gauge
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     class Metrics(service.Metrics):  # and the device's busy seconds, beside the engine's split
         def __init__(self) -> None:
             super().__init__()
-            busy = Gauge(BUSY, "work given", registry=self.registry)
+            # a registry of its own: --http-workers' summed files hold no callback gauge
+            self.sim = CollectorRegistry()
+            busy = Gauge(BUSY, "work given", registry=self.sim)
             busy.set_function(lambda: model.sim.busy_s)
+
+        def exposition(self) -> tuple[bytes, str]:
+            body, kind = super().exposition()
+            return body + generate_latest(self.sim), kind
 
     service.Metrics = Metrics
     sys.argv = ["inf2-pipeline", "serve", *argv]
