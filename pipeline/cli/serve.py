@@ -141,12 +141,6 @@ def serve(
     if batching not in ("iteration", "static"):
         raise InputError(f"--batching {batching}", "unknown", "use iteration or static")
     merge = _prefill_merge(prefill_merge)
-    if http_workers > 1 and not engine_process:
-        raise InputError(
-            f"--http-workers {http_workers}",
-            "needs the engine in a process of its own, which every HTTP process talks to",
-            "drop --no-engine-process, or serve with --http-workers 1",
-        )
     if api_key is not None and not api_key.strip():
         raise InputError(
             "--api-key (or INF2_SERVE_API_KEY)",

@@ -52,12 +52,18 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def serve(options: ServeOptions) -> None:
     """Run the server until SIGTERM/SIGINT; raises the load error if the release failed."""
+    n = options.http_workers
+    if n > 1 and not options.engine_process:  # each front would load a release of its own
+        raise InputError(
+            f"--http-workers {n}",
+            "needs the engine in a process of its own, which every HTTP process talks to",
+            "drop --no-engine-process, or serve with --http-workers 1",
+        )
     sock = _listen(options.host, options.port)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     # uvicorn names its address only for sockets it binds itself; --port 0 needs the real one.
     host, port = sock.getsockname()[:2]
     log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
-    n = options.http_workers
     with fronts.shared_metrics() if n > 1 else contextlib.nullcontext():
         service = Service(options)
         if options.engine_process:  # forked now: before uvicorn's loop and threads exist
