@@ -65,8 +65,8 @@ def serve_sim(argv: list[str]) -> None:
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     class Metrics(service.Metrics):  # and the device's busy seconds, beside the engine's split
-        def __init__(self) -> None:
-            super().__init__()
+        def __init__(self, shared: bool = False) -> None:
+            super().__init__(shared)
             # a registry of its own: --http-workers' summed files hold no callback gauge
             self.sim = CollectorRegistry()
             busy = Gauge(BUSY, "work given", registry=self.sim)

@@ -5,22 +5,26 @@ does; the engine's side routes each front's events back to it."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import types
+from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
 
 from pipeline.contracts.bucket import Bucket
-from pipeline.server.engine_process import EngineProcess, route
+from pipeline.server.engine_main import route
+from pipeline.server.engine_process import EngineProcess
 from pipeline.server.jobs import QueueFull, Request
 from pipeline.server.metrics import Metrics
-from tests.serve_helpers import REPO, ServerProcess, get, metric
+from tests.serve_helpers import REPO, ServerProcess, get, metric, post
 from tests.test_serve_process import MODEL, STEP_DELAY_S, children, gone, together, wait_until
 
 pytest.importorskip("fastapi")
@@ -62,7 +66,7 @@ def test_fronts_number_their_requests_apart_and_share_one_queue_bound():
     an admission in one frees a place for all."""
     import multiprocessing
 
-    queued = multiprocessing.get_context("fork").Value("i", 0)
+    queued = multiprocessing.get_context("fork").Array("i", 2, lock=False)
     loaded = types.SimpleNamespace(largest=Bucket(batch=2, seq=64))
     fronts = [EngineProcess(None, _Conn(), 3, None, queued, front=i, fronts=2) for i in range(2)]
     for f in fronts:
@@ -113,6 +117,25 @@ def test_fronts_answer_as_one_front_does_and_sum_their_metrics(release, tmp_path
         assert metric(text, "inf2_serve_slots", state="busy") == 0
 
 
+def connections(pid: int, port: int, state: str = "01") -> int:
+    """TCP sockets on ``port`` that ``pid`` holds, in ``state`` (01: established, the
+    clients a front accepted; 0A: listening)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    held = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == state and f[9] in inodes:
+                    held += 1
+    return held
+
+
 def _stream(url: str, prompt: list[int], max_tokens: int) -> http.client.HTTPResponse:
     host = urlparse(url)
     conn = http.client.HTTPConnection(host.hostname, host.port, timeout=120)
@@ -129,22 +152,41 @@ def _tokens(text: str) -> int:
 
 
 def test_the_servers_sigterm_drains_every_front(release, tmp_path):
-    """Streams on several connections (the kernel spreads them over the fronts), SIGTERM to
-    the server alone, as the kubelet sends it: every stream ends whole, the server exits 0,
+    """Streams on several connections (the kernel spreads them over the fronts: at least two
+    hold some), then SIGTERM to the server alone, as the kubelet sends it, and requests that
+    keep coming: every stream ends whole, a late request is answered whole or refused with
+    503 (never a 500, never left hanging) by whichever front it reached, the server exits 0,
     and neither the engine nor a front outlives it."""
     with ServerProcess(
         release, tmp_path / "serve.log", "--http-workers", "3", step_delay_s=STEP_DELAY_S
     ) as s:
         s.wait_ready()
-        kids = children(s.proc.pid)
+        kids, port = children(s.proc.pid), urlparse(s.url).port
         streams = [_stream(s.url, [1 + i, 2], 30) for i in range(6)]
         for r in streams:
             assert r.readline().startswith(b"data: ")  # each runs
+        held = [connections(pid, port) for pid in [s.proc.pid, *kids]]
+        assert sum(n > 0 for n in held) >= 2, held
         s.proc.send_signal(signal.SIGTERM)
+        late: list[tuple[int, dict]] = []
+        body = {"model": MODEL, "prompt": [3, 4], "max_tokens": 5}
+        senders = [
+            threading.Thread(target=lambda: late.append(post(s.url + "/v1/completions", body)[:2]))
+            for _ in range(8)
+        ]
+        for t in senders:
+            t.start()
         rests = [r.read().decode() for r in streams]
+        for t in senders:
+            t.join(120)
         assert s.proc.wait(60) == 0, s.output()
     for rest in rests:
         assert rest.rstrip().endswith("data: [DONE]") and _tokens(rest) == 29, rest
+    assert len(late) == 8 and all(t.is_alive() is False for t in senders)
+    for status, answer in late:
+        assert status in (0, 200, 503), (status, answer)
+        if status == 200:
+            assert len(answer["choices"][0]["token_ids"]) == 5
     for kid in kids:
         wait_until(lambda kid=kid: gone(kid), 30, "a child outlived the server")
 
@@ -154,8 +196,8 @@ def test_a_dead_front_stops_the_server_and_fails_nothing_silently(release, tmp_p
     exits 1, and takes the engine and the other fronts with it."""
     with ServerProcess(release, tmp_path / "serve.log", "--http-workers", "2") as s:
         s.wait_ready()
-        kids = children(s.proc.pid)
-        _engine, front = sorted(kids)  # forked in that order
+        kids, port = children(s.proc.pid), urlparse(s.url).port
+        (front,) = [k for k in kids if connections(k, port, "0A")]  # the engine listens not
         os.kill(front, signal.SIGKILL)
         assert s.proc.wait(60) == 1, s.output()
         out = s.output()

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.server import chat, protocol
-from pipeline.server.admission import admit, admit_chat
+from pipeline.server.admission import admit, admit_chat, unavailable
 from pipeline.server.auth import check_key
 from pipeline.server.jobs import Failed, Finished, Tokens
 from pipeline.server.jobs import Request as Job
@@ -166,6 +166,8 @@ async def _tokens(service: Service, job: Job, text: TextStream) -> AsyncIterator
             return
         else:
             assert isinstance(event, Failed)
+            if event.retry:
+                raise unavailable(f"not served: {event.message}", "shutting_down")
             raise ApiError(500, f"generation failed: {event.message}")
 
 
@@ -180,8 +182,8 @@ async def _collect(service: Service, job: Job, text: TextStream) -> tuple[str, s
             else:
                 _done(service, job, len(ids), "ok")
                 return value, "".join(parts), ids
-    except ApiError:
-        _done(service, job, len(ids), "error")
+    except ApiError as e:
+        _done(service, job, len(ids), "not_ready" if e.status == 503 else "error")
         raise
     raise AssertionError("unreachable")
 

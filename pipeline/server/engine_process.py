@@ -9,8 +9,9 @@ tokenizing and detokenizing in the server's process, scheduling and the device i
 engine's.
 
 The server's process forks the engine's before its event loop starts (no threads yet, and
-no CUDA or Neuron runtime: the release is loaded in the child). They speak over a socket
-pair, one message per engine iteration the other way:
+no CUDA or Neuron runtime: the release is loaded in the child; its side is
+``engine_main``). They speak over a socket pair, one message per engine iteration the other
+way:
 
 - server → engine: ``("submit", rid, prompt, max_tokens, need, sampling, arrival)``,
   ``("cancel", rid)``, ``("close",)``;
@@ -18,7 +19,8 @@ pair, one message per engine iteration the other way:
   ``("failed", exception, one line)``, then ``("events", items, records)`` per
   iteration (an item is ``(rid, token)``, ``(rid, "stop" | "length")`` or
   ``(rid, Failed)``; records are the engine's measurements, replayed into the server's
-  ``Metrics``), and finally ``("stopped", None | why the engine gave up)``.
+  ``Metrics``), ``("closing",)`` to the other fronts when one sends the close, and finally
+  ``("stopped", None | why the engine gave up)``.
 
 The server enforces ``max_queue`` itself (a request leaves its count when the engine's
 records say it was admitted), so a full queue is still a 503 at once. The engine ignores
@@ -38,17 +40,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import multiprocessing
 import os
-import signal
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline._procs import killed_with_parent
 from pipeline.contracts.bucket import Bucket
 from pipeline.server.jobs import (
     Closed,
@@ -90,8 +88,9 @@ class EngineProcess:
         self._buckets: dict[str, Bucket] = {}
         self._jobs: dict[int, Request] = {}  # rid -> request, until its end is delivered
         self._waiting: set[int] = set()  # submitted, not admitted yet
-        # the requests waiting in every front (a multiprocessing.Value shared by all)
-        self._queued = queued if queued is not None else multiprocessing.Value("i", 0)
+        # the requests waiting in each front: a shared array, each front writing only its own
+        # count (no lock a front killed mid-update could leave held), every front reading all
+        self._queued = queued if queued is not None else multiprocessing.Array("i", 1, lock=False)
         self.front = front
         self._next, self._stride = front + 1, fronts  # this front's request numbers
         self._owner = os.getpid()  # the engine's parent: only it may join or kill it
@@ -115,8 +114,10 @@ class EngineProcess:
         pairs = [ctx.Pipe() for _ in range(fronts)]  # socket pairs: both ways, large buffers
         mine = [m for m, _ in pairs]
         theirs = [t for _, t in pairs]
+        from pipeline.server import engine_main
+
         proc = ctx.Process(
-            target=_engine_main,
+            target=engine_main.run,
             args=(theirs, mine, options, loader, list(close), os.getpid()),
             name="inf2-serve-engine",
             daemon=True,
@@ -124,7 +125,7 @@ class EngineProcess:
         proc.start()
         for t in theirs:
             t.close()
-        queued = ctx.Value("i", 0)
+        queued = ctx.Array("i", fronts, lock=False)
         return [
             cls(proc, m, options.max_queue, listener, queued, front=i, fronts=fronts)
             for i, m in enumerate(mine)
@@ -152,24 +153,23 @@ class EngineProcess:
 
     @property
     def depth(self) -> int:
-        return self._queued.value
+        return sum(self._queued)
 
     def submit(self, req: Request) -> None:
         if req.need > self.largest.seq:
             raise ValueError(f"a request of {req.need} positions fits no resident bucket")
         if self._closing:
             raise Closed
-        with self._queued.get_lock():
-            if self._queued.value >= self.max_queue:
-                raise QueueFull
-            self._queued.value += 1
+        # two fronts may both take the last place: the bound is exact to within N - 1
+        if self.depth >= self.max_queue:
+            raise QueueFull
         req.rid, self._next = self._next, self._next + self._stride
         message = ("submit", req.rid, req.prompt, req.max_tokens, req.need, req.sampling)
         try:
             self.conn.send((*message, req.arrival))
         except OSError:  # the engine's process is gone: _lost says so to everyone
-            self._unqueue(1)
             raise Closed from None
+        self._queued[self.front] += 1
         self._jobs[req.rid] = req
         self._waiting.add(req.rid)
 
@@ -179,8 +179,7 @@ class EngineProcess:
             self._unqueue(1)
 
     def _unqueue(self, n: int) -> None:
-        with self._queued.get_lock():
-            self._queued.value -= n
+        self._queued[self.front] -= n
 
     def cancel(self, req: Request) -> None:
         req.cancelled = True
@@ -210,6 +209,11 @@ class EngineProcess:
 
     # --- what the engine's process says ------------------------------------------------------
 
+    def read_pending(self) -> None:
+        """What the engine sent that the loop has not read yet, now."""
+        if self._done is not None and not self._done.is_set():
+            self._readable()
+
     def _readable(self) -> None:
         while True:
             try:
@@ -236,11 +240,16 @@ class EngineProcess:
                 self._finish()
                 self.listener.load_failed(message[1], message[2])
                 return
+            elif kind == "closing":  # another front began the drain: take no more here
+                self._closing = True
+                self.listener.engine_closing()
             elif kind == "stopped":
                 self._finish()
                 if message[1] is not None:
                     self._fail_all(message[1])
                     self.listener.engine_failed(message[1])
+                elif self._jobs:  # sent as the engine stopped: never reached it
+                    self._fail_all("the server is shutting down", retry=True)
                 return
 
     def _events(self, items: list[tuple[int, Any]]) -> None:
@@ -301,189 +310,9 @@ class EngineProcess:
         elif self.listener.phase != "failed":
             self.listener.engine_failed(message)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, retry: bool = False) -> None:
         for req in self._jobs.values():
-            req.events.put_nowait(Failed(message))
+            req.events.put_nowait(Failed(message, retry))
         self._jobs.clear()
         self._unqueue(len(self._waiting))
         self._waiting.clear()
-
-
-class Relay:
-    """The engine's ``Hooks`` in its own process: each measurement as a record, sent with
-    the iteration's events and replayed into the server's ``Metrics``."""
-
-    def __init__(self, flush: Callable[[list[tuple[Any, ...]]], None]) -> None:
-        self.records: list[tuple[Any, ...]] = []
-        self.flush = flush  # sends records that no events carried
-        self._time = [0.0, 0.0, 0.0, 0.0]  # the model thread's split since the last take
-
-    def take(self) -> list[tuple[Any, ...]]:
-        # appends from the receiving thread (queue_depth) between the two steps are kept
-        n = len(self.records)
-        out = self.records[:n]
-        del self.records[:n]
-        if any(self._time):
-            out.append(("engine_time", *self._time))
-            self._time = [0.0, 0.0, 0.0, 0.0]
-        return out
-
-    def queue_depth(self, n: int) -> None:
-        self.records.append(("queue_depth", n))
-
-    def admitted(self, req: Request, now: float) -> None:
-        self.records.append(("admitted", req.rid, now - req.arrival))
-
-    def token(self, req: Request, now: float) -> None:
-        if req.produced == 1:
-            self.records.append(("ttft", now - req.arrival))
-        else:
-            self.records.append(("itl", now - req.last_token))
-
-    def prefill(self, bucket: Bucket, real: int, computed: int) -> None:
-        self.records.append(("prefill", bucket.name, real, computed))
-
-    def step(self, bucket: Bucket, rows: int) -> None:
-        self.records.append(("step", bucket.name, rows))
-
-    def slots(self, bucket: Bucket, busy: int) -> None:
-        self.records.append(("slots", bucket.name, busy))
-
-    def engine_time(self, wait: float, prefill: float, step: float, other: float) -> None:
-        """The end of an iteration: its time goes with the next events; what this iteration
-        measured and no events carried (a slot freed for a client that left) goes now."""
-        t = self._time
-        t[0] += wait
-        t[1] += prefill
-        t[2] += step
-        t[3] += other
-        if self.records:
-            self.flush(self.take())
-
-    def idle(self) -> None:
-        """Nothing to do: what was measured goes now, not when work comes."""
-        if self.records or any(self._time):
-            self.flush(self.take())
-
-
-def route(
-    fronts: int, items: list[tuple[int, Any]], records: list[tuple[Any, ...]]
-) -> dict[int, tuple[list[tuple[int, Any]], list[tuple[Any, ...]]]]:
-    """An iteration's events and records by front: a request's events to the front that
-    numbered it, an admission to the front whose queue count it lowers, every other record
-    to front 0 (whose metrics ``/metrics`` sums with the others'). Fronts with nothing to
-    hear are left out."""
-    out: dict[int, tuple[list[tuple[int, Any]], list[tuple[Any, ...]]]] = {}
-    if fronts == 1:
-        return {0: (items, records)} if items or records else {}
-    for item in items:
-        out.setdefault((item[0] - 1) % fronts, ([], []))[0].append(item)
-    for r in records:
-        front = (r[1] - 1) % fronts if r[0] == "admitted" else 0
-        out.setdefault(front, ([], []))[1].append(r)
-    return out
-
-
-def _engine_main(
-    conns: list[Any],
-    theirs: list[Any],
-    options: Any,
-    loader: Callable[[Path], Any],
-    close: list[Any],
-    server_pid: int,
-) -> None:
-    """The engine's process: load, warm, tell the fronts, run the engine until closed."""
-    from multiprocessing.connection import wait
-
-    from pipeline.server.loading import load_release, make_engine
-
-    for end in [*theirs, *close]:
-        end.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the whole group: the server drains
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    killed_with_parent(server_pid)
-    # the model thread sends, and the receiver for a refusal: one lock per front's end
-    locks = [threading.Lock() for _ in conns]
-
-    def send(front: int, message: tuple[Any, ...]) -> None:
-        with locks[front]:
-            conns[front].send(message)
-
-    def send_all(message: tuple[Any, ...]) -> None:
-        for front in range(len(conns)):
-            send(front, message)
-
-    def send_events(items: list[tuple[int, Any]], records: list[tuple[Any, ...]]) -> None:
-        for front, (its, recs) in route(len(conns), items, records).items():
-            send(front, ("events", its, recs))
-
-    relay = Relay(lambda records: send_events([], records))
-    jobs: dict[int, Request] = {}
-
-    def deliver(out: list[tuple[Request, Event]]) -> None:
-        items: list[tuple[int, Any]] = []
-        for req, event in out:
-            if isinstance(event, Tokens):
-                items += [(req.rid, t) for t in event.ids]
-                continue
-            jobs.pop(req.rid, None)
-            items.append((req.rid, event.reason if isinstance(event, Finished) else event))
-        send_events(items, relay.take())
-
-    try:
-        model, resident, loaded = load_release(options, loader, lambda p: send_all(("phase", p)))
-        # the fronts count the queue; a margin here for cancels sent before a submit
-        engine = make_engine(
-            model, resident, options, None, relay, deliver=deliver, max_queue=2 * options.max_queue
-        )
-    except Exception as e:
-        from pipeline.errors import PipelineError
-
-        line = e.one_line() if isinstance(e, PipelineError) else f"{type(e).__name__}: {e}"
-        try:
-            send_all(("failed", e, line))
-        except Exception:  # not picklable: the line says it
-            send_all(("failed", RuntimeError(line), line))
-        return
-
-    def receive() -> None:
-        while True:
-            for conn in wait(conns):
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):  # a front is gone: the server is ending
-                    os._exit(0)
-                handle(conns.index(conn), message)
-
-    def handle(front: int, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "submit":
-            _, rid, prompt, max_tokens, need, sampling, arrival = message
-            req = Request(prompt, max_tokens, need, sampling, arrival=arrival, rid=rid)
-            jobs[rid] = req
-            try:
-                engine.submit(req)
-            except (QueueFull, Closed, ValueError) as e:
-                jobs.pop(rid, None)
-                # not from this thread: while the front's end blocks sending to us, a send
-                # here would wait for a reader that waits for us
-                refusal = ("events", [(rid, Failed(f"refused by the engine: {e!r}"))], [])
-                threading.Thread(target=send, args=(front, refusal), daemon=True).start()
-        elif kind == "cancel":
-            if (req := jobs.pop(message[1], None)) is not None:
-                engine.cancel(req)
-        elif kind == "close":
-            engine.close()
-
-    gc.collect()
-    gc.freeze()
-    records = relay.take()
-    for front in range(len(conns)):
-        send(front, ("ready", loaded, records if front == 0 else []))
-    threading.Thread(target=receive, name="inf2-serve-engine-receive", daemon=True).start()
-    why = None
-    try:
-        engine.run()
-    except EngineFailed as e:  # every request it held was failed
-        why = str(e)
-    send_all(("stopped", why))

@@ -28,7 +28,7 @@ from typing import Any
 
 from pipeline._procs import killed_with_parent
 
-JOIN_S = 10.0  # after front 0 drained (so the engine stopped), how long the others may take
+JOIN_S = 10.0  # after front 0 failed, how long the others may take to end
 METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
@@ -69,8 +69,20 @@ def fork(n: int, run: Callable[[int], int]) -> list[Any]:
     return procs
 
 
+PENDING: list[int] = []  # signals that came before uvicorn took them over (startup reads it)
+
+
+def remember(signum: int, frame: Any = None) -> None:
+    """SIGTERM's (and a front's SIGINT's) handler outside uvicorn's own: one that came
+    before uvicorn started is acted on at its startup, and the one uvicorn raises again
+    after its drain exits 0 rather than killing the process (or a traceback from
+    multiprocessing, for a SIGINT)."""
+    PENDING.append(signum)
+
+
 def _front_main(run: Callable[[int], int], i: int, parent: int) -> None:
     killed_with_parent(parent)
+    signal.signal(signal.SIGINT, remember)  # ^C reaches the whole group: each front drains
     raise SystemExit(run(i))
 
 
@@ -90,10 +102,15 @@ def terminate(procs: list[Any]) -> None:
                 os.kill(proc.pid, signal.SIGTERM)
 
 
-def reap(procs: list[Any]) -> None:
-    """Front 0 is done, so the engine has stopped: the others end now, or are killed."""
+def reap(procs: list[Any], patient: bool) -> list[str]:
+    """Front 0 is done, so the engine has stopped: the others finish their streams
+    (``patient``: as long as that takes, as uvicorn's own drain does; else ``JOIN_S``, then
+    they are killed). How each that did not exit 0 ended."""
+    ends = []
     for proc in procs:
-        proc.join(JOIN_S)
+        proc.join(None if patient else JOIN_S)
         if proc.is_alive():
             proc.kill()
-            proc.join()
+        if proc.exitcode != 0:
+            ends.append(ended(proc))
+    return ends

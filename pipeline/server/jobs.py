@@ -43,6 +43,9 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    # 503: refused because the server is draining (a request a front sent as the engine
+    # closed), which a client may retry elsewhere; 500: generation failed
+    retry: bool = False
 
 
 Event = Tokens | Finished | Failed

@@ -69,19 +69,24 @@ def serve(options: ServeOptions) -> None:
         if options.engine_process:  # forked now: before uvicorn's loop and threads exist
             service.spawn(close=[sock], fronts=n)
         # uvicorn drains on SIGTERM, then re-raises the signal under the handler that was
-        # there before it: this one, so that a clean drain exits 0 rather than dying by it.
-        signal.signal(signal.SIGTERM, lambda *_: None)
+        # there before it: this one, so that a clean drain exits 0 rather than dying by it;
+        # one that comes before uvicorn starts is acted on at its startup. The fronts
+        # inherit it.
+        signal.signal(signal.SIGTERM, fronts.remember)
         others = fronts.fork(n - 1, lambda i: _front(service.front(i), sock))
+        ends: list[str] = []
         try:
             _front(service.front(0), sock, others)
         finally:
-            fronts.reap(others)
+            ends = fronts.reap(others, patient=service.failure is None)
             service.kill()  # whatever ended the server, the engine's process ends with it
             sock.close()
     if isinstance(service.failure, PipelineError):
         raise service.failure
     if service.failure is not None:
         raise PipelineError(f"serve {options.path}", service.error or "failed to load")
+    if ends:  # a front that failed or was cut short during the drain
+        raise PipelineError(f"serve {options.path}", "; ".join(ends))
 
 
 def _front(service: Service, sock: socket.socket, others: Sequence[Any] = ()) -> int:
@@ -104,12 +109,16 @@ def _front(service: Service, sock: socket.socket, others: Sequence[Any] = ()) ->
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
+            if fronts.PENDING:  # SIGTERM (or ^C) came while this process was starting
+                self.should_exit = True
             loop = asyncio.get_running_loop()
             for proc in others:
                 loop.add_reader(proc.sentinel, self.lost, loop, proc)
 
         def lost(self, loop: asyncio.AbstractEventLoop, proc: Any) -> None:
             loop.remove_reader(proc.sentinel)
+            if service.process is not None:  # the engine's word first: a front may have
+                service.process.read_pending()  # ended because the engine did
             if not self.should_exit and service.phase != "failed":
                 service.engine_failed(fronts.ended(proc), "an HTTP process ended")
 

@@ -12,7 +12,6 @@ Padding efficiency of live traffic, per bucket and phase, from
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from prometheus_client import (
@@ -32,10 +31,11 @@ _PER_TOKEN = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, shared: bool = False) -> None:
         # several HTTP processes (serve --http-workers): each writes its own files, and
-        # /metrics sums them (pipeline.server.fronts.shared_metrics)
-        self.shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        # /metrics sums them (pipeline.server.fronts.shared_metrics); only then, not
+        # whenever the environment names a folder (an image made for gunicorn may)
+        self.shared = shared
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "inf2_serve_requests",

@@ -31,7 +31,7 @@ class Service:
     def __init__(self, options: ServeOptions, loader: Callable[[Path], Any] | None = None):
         self.options = options
         self.loader = loader or functools.partial(_load_model, trust=options.trust)
-        self.metrics = Metrics()
+        self.metrics = Metrics(shared=options.http_workers > 1)
         self.phase = "loading"
         self.error: str | None = None
         self.failure: Exception | None = None
@@ -85,6 +85,8 @@ class Service:
             self.process = self.handles[i].only_this(self.handles)
             self.handles = []
         self.quiet = i > 0
+        if i:  # this front's own metrics files from now, "not ready" in them until it is
+            self.metrics.ready.set(0)
         return self
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -130,6 +132,12 @@ class Service:
                 self._ready(loaded, tok)
 
         self._tokenizing = asyncio.ensure_future(tokenizer())
+
+    def engine_closing(self) -> None:
+        """Another front began the drain (the engine takes no more): so does this one."""
+        if self.phase == "ready":
+            self.phase = "draining"
+            self.metrics.ready.set(0)
 
     def load_failed(self, e: Exception, error: str | None = None) -> None:
         self.failure = e
