@@ -32,8 +32,10 @@ With ``--http-workers N`` (``pipeline.server.fronts``) the engine has one socket
 process and multiplexes them: front ``i`` numbers its requests ``i + 1, i + 1 + N, ...``, so
 a request's events go back to the front that sent it; the engine's own measurements go to
 front 0 (the metrics of all fronts are summed at ``/metrics``), an admission to the front
-whose queue count it lowers. The queue count is one integer in shared memory, so
-``--max-queue`` bounds the requests waiting in all fronts together.
+whose queue count it lowers. Each front counts what it has waiting in its own place of a
+shared array, and reads them all, so ``--max-queue`` bounds the requests waiting in every
+front together (to within N - 1: two fronts may take the last place at once), with no lock
+that a front killed mid-update could leave held.
 """
 
 from __future__ import annotations
