@@ -191,6 +191,20 @@ def test_the_servers_sigterm_drains_every_front(release, tmp_path):
         wait_until(lambda kid=kid: gone(kid), 30, "a child outlived the server")
 
 
+def test_a_sigterm_while_starting_ends_every_front_cleanly(release, tmp_path):
+    """SIGTERM as soon as the server listens (the pod deleted while it starts: the fronts
+    and the engine still loading): no front misses it, the server exits 0, nothing is
+    left behind."""
+    with ServerProcess(release, tmp_path / "serve.log", "--http-workers", "3") as s:
+        s.wait_listening()
+        kids = children(s.proc.pid)
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(120) == 0, s.output()
+    assert "Traceback" not in s.output()
+    for kid in kids:
+        wait_until(lambda kid=kid: gone(kid), 30, "a child outlived the server")
+
+
 def test_a_dead_front_stops_the_server_and_fails_nothing_silently(release, tmp_path):
     """A front killed outright (the OOM killer, say): the server says which, in one line,
     exits 1, and takes the engine and the other fronts with it."""

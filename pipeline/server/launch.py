@@ -72,6 +72,7 @@ def serve(options: ServeOptions) -> None:
         # there before it: this one, so that a clean drain exits 0 rather than dying by it;
         # one that comes before uvicorn starts is acted on at its startup. The fronts
         # inherit it.
+        fronts.PENDING.clear()
         signal.signal(signal.SIGTERM, fronts.remember)
         others = fronts.fork(n - 1, lambda i: _front(service.front(i), sock))
         ends: list[str] = []
@@ -109,9 +110,10 @@ def _front(service: Service, sock: socket.socket, others: Sequence[Any] = ()) ->
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
-            if fronts.PENDING:  # SIGTERM (or ^C) came while this process was starting
-                self.should_exit = True
             loop = asyncio.get_running_loop()
+            if fronts.PENDING:  # SIGTERM (or ^C) came while this process was starting: exit
+                # from the main loop, so that shutdown (the drain) runs as after a signal
+                loop.call_soon(setattr, self, "should_exit", True)
             for proc in others:
                 loop.add_reader(proc.sentinel, self.lost, loop, proc)
 
