@@ -65,5 +65,9 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
     --s5cmd .devrun/bin/s5cmd --out "$R/pull16.json"
 }
 run
-# the figures, not the logs of every server (the copy back has a file count limit)
-cp "$R"/*.json "$R"/sampler.log "$OUT"/ 2>/dev/null; ls "$R"
+# the figures, not the logs of every server (the copy back has a file count limit); of
+# those, each server's start-up lines (its prefill cost table, ready) in one file, to tell
+# an outlier way by its table
+cp "$R"/*.json "$R"/sampler.log "$OUT"/ 2>/dev/null
+grep -H -E "prefill calls of|^ready:|error" "$R"/*.serve-*.log >"$OUT/server-startup.txt" 2>/dev/null
+ls "$R"
