@@ -153,7 +153,8 @@ def run(
         from the receiving thread would wait for a reader that waits for us."""
         t = threading.Thread(target=send, args=(front, message), daemon=True)
         t.start()
-        refusals.append(t)  # started first: the model thread may join it at once
+        # started first: the model thread may join it at once; the sent ones let go
+        refusals[:] = [*(r for r in refusals if r.is_alive()), t]
 
     relay = Relay(lambda records: send_events([], records))
     jobs: dict[int, Request] = {}
