@@ -20,7 +20,7 @@ import pytest
 
 from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import Engine
-from pipeline.server.jobs import Closed, Failed, Finished, QueueFull, Request, Tokens
+from pipeline.server.jobs import Closed, Failed, Finished, NoHooks, QueueFull, Request, Tokens
 from pipeline.server.metrics import Metrics
 from pipeline.server.placement import (
     BucketSlots,
@@ -1492,3 +1492,28 @@ def test_prefill_merge_shares_a_call_across_prefill_lengths_and_answers_stay_alo
     # prefill lengths 16, 32, 16: merged, one call of all three at 32, the longest first
     assert run(prefill_merge=16) == [(1, 0, 2)]
     assert run() == [(0, 2)]  # without: the two of length 16 share a call, the other alone
+
+
+def test_an_idle_engine_counts_its_wait_as_it_passes():
+    """With nothing to do, the model thread reports its wait every IDLE_REPORT_S, not in one
+    piece when work comes: a scrape of inf2_serve_engine_seconds{part="wait"} then holds
+    the idle time that has passed, and a bench's window does not take in a wait that
+    began before it."""
+    from pipeline.server.engine import IDLE_REPORT_S
+
+    waits: list[float] = []
+
+    class Recorder(NoHooks):
+        def engine_time(self, wait: float, prefill: float, step: float, other: float) -> None:
+            waits.append(wait)
+
+    async def body(h):
+        for _ in range(int(WAIT / 0.05)):  # no request at all
+            if len(waits) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        return list(waits)
+
+    idle = serve(body, [Bucket(2, 32)], hooks=Recorder())
+    assert len(idle) >= 2, idle
+    assert all(0 < w < IDLE_REPORT_S + WAIT for w in idle) and sum(idle) >= IDLE_REPORT_S

@@ -5,8 +5,7 @@ model thread (``run``) loops, because a runner is not re-entrant. Every iteratio
 
 1. retires rows whose client left (or whose stop string matched), freeing their slots;
 2. admits waiting requests into free slots (``placement.place``: first come, first served,
-   at most ``max_prefills``) and launches their prefills, those of one bucket and one
-   prefill length in one call where the backend can;
+   at most ``max_prefills``) and launches their prefills (``placement.prefill_calls``);
 3. launches one decode step for every bucket with rows that have tokens to launch;
 4. reads tokens and delivers each row's: with ``overlap`` (slots that ``launch``: cpu/cuda)
    the previous iteration's steps first, which the device finished while this iteration's
@@ -20,16 +19,15 @@ model thread (``run``) loops, because a runner is not re-entrant. Every iteratio
 
 So a short request never waits for a long one's steps, the device does not wait for the
 host between steps, and a freed slot is refilled one or two iterations later. Tokens go
-back to the event loop as typed events (``Tokens``, ``Finished``, ``Failed``) in one
-``deliver`` per iteration for every request (``loop.call_soon_threadsafe`` in the server's
-process; a message to it from the engine's own, ``pipeline.server.engine_process``).
+back as typed events (``Tokens``, ``Finished``, ``Failed``), one ``deliver`` an iteration
+for every request (to the event loop, or to the fronts from ``engine_main``).
 
 An exception in a prefill fails that request only (a shared prefill call that raises at
 launch is launched again one prompt at a time; one whose tokens cannot be read fails its
-requests); one in a step fails the rows of that bucket's step (they
-shared it), never those of other buckets, and the server lives on. After ``FAIL_AFTER``
-failed steps in a row, or any exception that escapes the loop, the device is taken as lost:
-every request held gets ``Failed`` and ``run`` raises ``EngineFailed``.
+requests); one in a step fails the rows of that bucket's step (they shared it), never those
+of other buckets, and the server lives on. After ``FAIL_AFTER`` failed steps in a row, or
+any exception that escapes the loop, the device is taken as lost: every request held gets
+``Failed`` and ``run`` raises ``EngineFailed``.
 """
 
 from __future__ import annotations
@@ -65,6 +63,7 @@ from pipeline.server.placement import BucketSlots, place, prefill_calls
 log = logging.getLogger("inf2_pipeline.serve")
 
 FAIL_AFTER = 3  # steps failed in a row (any bucket) after which the device is taken as lost
+IDLE_REPORT_S = 0.25  # an idle engine counts its wait as it passes, not when work comes
 
 
 class Model(Protocol):
@@ -221,7 +220,11 @@ class Engine:
                 while not self._queue and not self._running():
                     if self._closing:
                         return
-                    self._cond.wait()
+                    if not self._cond.wait(IDLE_REPORT_S):  # still idle: counted as it passes
+                        now = clock()
+                        self.hooks.engine_time(now - waited, 0.0, 0.0, 0.0)
+                        self.hooks.idle()
+                        start, waited = start + now - waited, now
                 waited = clock() - waited
                 admitted = self._take_admissions()
             prefills = self._launch_prefills(admitted, out) if admitted else []
