@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 PARENT_DEATH_SIGNAL = signal.SIGHUP  # our children have no terminal: nothing else sends it
 WATCH_S = 0.25  # how often the fallback thread looks at getppid()
@@ -53,6 +54,14 @@ def killed_with_parent(parent: int) -> None:
         os._exit(0)
 
 
+def how_it_ended(proc: Any) -> str:
+    """A forked ``multiprocessing`` child that has ended, in words for a one-line error:
+    "was killed by signal 9", "exited (1)"."""
+    proc.join(1.0)
+    code = proc.exitcode
+    return f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
+
+
 def _watch(parent: int) -> None:
     # An orphan's parent becomes init or a subreaper, never the dead parent's pid again.
     while os.getppid() == parent:
@@ -69,4 +78,11 @@ def end_group() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-__all__ = ["PARENT_DEATH_SIGNAL", "WATCH_S", "die_with_parent", "end_group", "killed_with_parent"]
+__all__ = [
+    "PARENT_DEATH_SIGNAL",
+    "WATCH_S",
+    "die_with_parent",
+    "end_group",
+    "how_it_ended",
+    "killed_with_parent",
+]

@@ -31,7 +31,7 @@ from pipeline.server.jobs import (
     Tokens,
 )
 
-REFUSALS_JOIN_S = 5.0  # before "stopped": the refusals still being sent
+SENDS_JOIN_S = 5.0  # before "stopped": the refusals and notices still being sent
 
 
 class Relay:
@@ -131,7 +131,7 @@ def run(
     locks = [threading.Lock() for _ in conns]
     state: dict[str, Any] = {"engine": None, "closed": False}
     state_lock = threading.Lock()  # the engine made, against a close that came first
-    refusals: list[threading.Thread] = []
+    sends: list[threading.Thread] = []  # later()'s, until sent
 
     def send(front: int, message: tuple[Any, ...]) -> None:
         try:
@@ -154,7 +154,7 @@ def run(
         t = threading.Thread(target=send, args=(front, message), daemon=True)
         t.start()
         # started first: the model thread may join it at once; the sent ones let go
-        refusals[:] = [*(r for r in refusals if r.is_alive()), t]
+        sends[:] = [*(r for r in sends if r.is_alive()), t]
 
     relay = Relay(lambda records: send_events([], records))
     jobs: dict[int, Request] = {}
@@ -237,6 +237,6 @@ def run(
         engine.run()
     except EngineFailed as e:  # every request it held was failed
         why = str(e)
-    for t in list(refusals):  # a refused request hears so before its front hears "stopped"
-        t.join(REFUSALS_JOIN_S)
+    for t in list(sends):  # a refused request hears so before its front hears "stopped"
+        t.join(SENDS_JOIN_S)
     send_all(("stopped", why))

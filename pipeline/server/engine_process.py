@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline._procs import how_it_ended
 from pipeline.contracts.bucket import Bucket
 from pipeline.server.jobs import (
     Closed,
@@ -299,12 +300,7 @@ class EngineProcess:
     def _lost(self) -> None:
         """The engine's process closed its end without saying it stopped: it died."""
         self._finish()
-        if os.getpid() == self._owner:
-            self.proc.join(1.0)
-            code = self.proc.exitcode
-            how = f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
-        else:
-            how = "ended"
+        how = how_it_ended(self.proc) if os.getpid() == self._owner else "ended"
         message = f"the engine's process {how}"
         self._fail_all(message)
         if self.loaded is None and self.listener.phase != "failed":

@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pipeline._procs import killed_with_parent
+from pipeline._procs import how_it_ended, killed_with_parent
 
 JOIN_S = 10.0  # after front 0 failed, how long the others may take to end
 METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
@@ -90,10 +90,7 @@ def _front_main(run: Callable[[int], int], i: int, parent: int) -> None:
 
 def ended(proc: Any) -> str:
     """How a front's process ended, for the server's one line."""
-    proc.join(1.0)
-    code = proc.exitcode
-    how = f"was killed by signal {-code}" if code and code < 0 else f"exited ({code})"
-    return f"the HTTP process {proc.name} (pid {proc.pid}) {how}"
+    return f"the HTTP process {proc.name} (pid {proc.pid}) {how_it_ended(proc)}"
 
 
 def terminate(procs: list[Any]) -> None:
