@@ -59,6 +59,28 @@ def serve(options: ServeOptions) -> None:
             "needs the engine in a process of its own, which every HTTP process talks to",
             "drop --no-engine-process, or serve with --http-workers 1",
         )
+    # uvicorn drains on SIGTERM, then re-raises the signal under the handler that was there
+    # before it: this one, so that a clean drain exits 0 rather than dying by it. Taken over
+    # before "listening" is said (a pod deleted while it starts sends SIGTERM as soon as it
+    # may): one that comes before uvicorn starts is acted on at its startup. The engine's
+    # process ignores it; the fronts inherit this one.
+    fronts.PENDING.clear()
+    before = signal.signal(signal.SIGTERM, fronts.remember)
+    try:
+        service, ends = _run(options, n)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    if isinstance(service.failure, PipelineError):
+        raise service.failure
+    if service.failure is not None:
+        raise PipelineError(f"serve {options.path}", service.error or "failed to load")
+    if ends:  # a front that failed or was cut short during the drain
+        raise PipelineError(f"serve {options.path}", "; ".join(ends))
+
+
+def _run(options: ServeOptions, n: int) -> tuple[Service, list[str]]:
+    """Listen, start the engine and the fronts, serve until the drain ends: the service and
+    how each other front that did not exit 0 ended."""
     sock = _listen(options.host, options.port)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     # uvicorn names its address only for sockets it binds itself; --port 0 needs the real one.
@@ -68,12 +90,6 @@ def serve(options: ServeOptions) -> None:
         service = Service(options)
         if options.engine_process:  # forked now: before uvicorn's loop and threads exist
             service.spawn(close=[sock], fronts=n)
-        # uvicorn drains on SIGTERM, then re-raises the signal under the handler that was
-        # there before it: this one, so that a clean drain exits 0 rather than dying by it;
-        # one that comes before uvicorn starts is acted on at its startup. The fronts
-        # inherit it.
-        fronts.PENDING.clear()
-        signal.signal(signal.SIGTERM, fronts.remember)
         others = fronts.fork(n - 1, lambda i: _front(service.front(i), sock))
         ends: list[str] = []
         try:
@@ -82,12 +98,7 @@ def serve(options: ServeOptions) -> None:
             ends = fronts.reap(others, patient=service.failure is None)
             service.kill()  # whatever ended the server, the engine's process ends with it
             sock.close()
-    if isinstance(service.failure, PipelineError):
-        raise service.failure
-    if service.failure is not None:
-        raise PipelineError(f"serve {options.path}", service.error or "failed to load")
-    if ends:  # a front that failed or was cut short during the drain
-        raise PipelineError(f"serve {options.path}", "; ".join(ends))
+    return service, ends
 
 
 def _front(service: Service, sock: socket.socket, others: Sequence[Any] = ()) -> int:
