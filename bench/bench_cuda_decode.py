@@ -411,13 +411,13 @@ def _recorded_equals_eager(slots, rows: list[int], vocab: int) -> bool | None:
     from pipeline.runtime.sampling import SamplingParams
 
     session = slots.session
-    recorded = getattr(session, "_sampler", None)
+    recorded = session.sampler
     if recorded is None:
         return None
     runs = []
     try:
         for sampler in (recorded, None):
-            session._sampler = sampler
+            session.sampler = sampler
             ps = prompts(len(rows), 8, vocab, seed=4)
             got = [
                 slots.prefill(r, p, SamplingParams(0.9, 0.8, top_k=50, seed=r))
@@ -429,7 +429,7 @@ def _recorded_equals_eager(slots, rows: list[int], vocab: int) -> bool | None:
                 slots.free(r)
             runs.append(got)
     finally:
-        session._sampler = recorded
+        session.sampler = recorded
     return runs[0] == runs[1]
 
 

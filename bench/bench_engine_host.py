@@ -124,7 +124,8 @@ def _line(fig: dict[str, Any], ceiling_s: float, tokens: int) -> str:
         f"({fig['output_tokens_per_s'] * ceiling_s / tokens:.2f}× ceiling), device busy "
         f"{fig['device_busy_share']:.0%}, TTFT p50/p99/p99 after burst "
         f"{_ms(fig['ttft_p50_s'])}/{_ms(fig['ttft_p99_s'])}/{_ms(fig['ttft_p99_after_burst_s'])}"
-        f" ms, steps {fig['steps_by_bucket']}, model thread s: "
+        f" ms, steps {fig['steps_by_bucket']}, prefills {fig['prefills']} "
+        f"({fig['prefills_folded']} folded), model thread s: "
         + " ".join(f"{k} {v:.2f}" for k, v in e.items())
         + (f", errors {fig['errors']}" if fig["errors"] else "")
     )

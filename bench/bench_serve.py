@@ -406,6 +406,8 @@ def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any
         "prefill_positions": {"real": int(pre_real), "padding": int(pre_pad)},
         "steps": int(delta("inf2_serve_steps_total")),
         "prefills": int(delta("inf2_serve_prefills_total")),
+        # of those, prefilled inside a step (a mixed call: serve --fold-prompts)
+        "prefills_folded": int(delta("inf2_serve_prefills_folded_total")),
         "steps_by_bucket": {b: int(delta("inf2_serve_steps_total", bucket=b)) for b in buckets},
         "prefills_by_bucket": {
             b: int(delta("inf2_serve_prefills_total", bucket=b)) for b in buckets

@@ -1,11 +1,12 @@
 """Where the device's time goes under ``serve``: CUDA events around every slot call.
 
 Bench-only instrumentation (``bench_serve.py --device-timeline DIR``): the server is started
-through ``install()``, which wraps ``DecodeSession.launch`` (a step) and ``launch_prefill``
-with a timing event recorded on the stream before and after each call, and the host's
-monotonic clock around the call's launch and around each read of its tokens. When the
-engine stops, every call goes to ``DIR/timeline-<pid>.json``, times on the host's monotonic
-clock (the same in every process of the machine). An event recorded before a call is stamped
+through ``install()``, which wraps ``SessionSlots.launch`` (a step), ``launch_prefill`` and
+``launch_mixed`` (a step with prompts in it) with a timing event recorded on the stream
+before and after each call, and the host's monotonic clock around the call's launch and
+around each read of its tokens. When the engine stops, every call goes to
+``DIR/timeline-<pid>.json``, times on the host's monotonic clock (the same in every process
+of the machine). An event recorded before a call is stamped
 when the device reaches it: when the work queued before it is done, or at once on an idle
 device. So between one call's end event and the next call's start event the device had
 nothing to do, and that is measured, not inferred from step counts and bench step times.
@@ -35,7 +36,7 @@ def install() -> None:
     import torch
 
     from pipeline.runtime import pending
-    from pipeline.runtime.decode_session import DecodeSession
+    from pipeline.runtime.session_slots import SessionSlots
     from pipeline.server.engine import Engine
 
     # Asked at the first call, never here: this runs in the server's process before it forks
@@ -80,8 +81,9 @@ def install() -> None:
         reads.append((t0, time.monotonic()))
         return got
 
-    DecodeSession.launch = timed(DecodeSession.launch, "step")
-    DecodeSession.launch_prefill = timed(DecodeSession.launch_prefill, "prefill")
+    SessionSlots.launch = timed(SessionSlots.launch, "step")
+    SessionSlots.launch_prefill = timed(SessionSlots.launch_prefill, "prefill")
+    SessionSlots.launch_mixed = timed(SessionSlots.launch_mixed, "mixed")
     pending.DeviceTokens.tokens = read
     run = Engine.run
 

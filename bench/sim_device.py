@@ -12,7 +12,11 @@ on a GPU.
 Default timings: the twelfth GPU round's H200 (bench/RESULTS.md): ``Slots.step`` 0.898 /
 1.130 / 1.174 ms at batch 1 / 8 / 32 (s256) and 1.188 ms at b32 × s2048; a prefill call
 about 1 ms plus 2.5 µs a computed position (fits the replays' prefills-alone totals within
-~20 %). Tokens never end an answer (no EOS): every request runs to its ``max_tokens``.
+~20 %). A mixed call (a step with prompts in it, ``launch_mixed``) takes its prompts'
+prefill time plus ``mixed_step_s`` for the step's rows in the same pass: an assumption
+(0.15 ms), not a measurement, until an H200 round times the mixed graphs (pass the measured
+figures with ``--timings``). Tokens never end an answer (no EOS): every request runs to its
+``max_tokens``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ class Timings:
     prefill_call_s: float = 1.2e-3
     prefill_position_s: float = 2.6e-6
     prefill_batch: int = 8  # prompts one prefill call takes (cuda's PREFILL_GRAPH_PROMPTS)
+    # what a step's rows add to a prefill call's pass over the weights, in a mixed call:
+    # assumed, not measured (module docstring); a negative value: no mixed calls
+    mixed_step_s: float = 0.15e-3
+    mixed_longest: int = 256  # cuda's default: mixed graphs at the prefill lengths up to this
 
     @classmethod
     def load(cls, path: Path | None) -> Timings:
@@ -116,6 +124,11 @@ class SimSlots:
         # the cuda release's prefill graph lengths: 64/128/256 at s256, 256/1024/2048 above
         self.prefill_lengths = (64, 128, 256) if self.seq <= 256 else (256, 1024, self.seq)
         self.prefill_batch = timings.prefill_batch
+        mixes = timings.mixed_step_s >= 0 and self.batch > 1
+        self.mixed_lengths = tuple(
+            n for n in self.prefill_lengths if mixes and n <= timings.mixed_longest
+        )
+        self.mixed_batch = min(self.prefill_batch, self.batch - 1) if self.mixed_lengths else 0
         self._next: dict[int, int] = {}  # slot in use -> its next position
 
     def prefill_positions(self, n: int) -> int:
@@ -157,6 +170,35 @@ class SimSlots:
 
     def step(self, slots: Sequence[int]) -> list[int]:
         return self.launch(slots).tokens()
+
+    def launch_mixed(
+        self,
+        slots: Sequence[int],
+        prompt_slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Any = None,
+    ) -> Pending:
+        """A step of ``slots`` and the prompts prefilled into ``prompt_slots`` in one pass:
+        the prompts' prefill time plus ``mixed_step_s``."""
+        length = max(self.prefill_positions(len(p)) for p in prompts)
+        if length not in self.mixed_lengths or not 1 <= len(prompts) <= self.mixed_batch:
+            raise ValueError(f"{len(prompts)} prompts of {length} in a mixed call")
+        for s in slots:
+            if self._next.get(s, self.seq) >= self.seq:
+                raise ValueError(f"slot {s} of {self.bucket.name} cannot step")
+        for slot, prompt in zip(prompt_slots, prompts, strict=True):
+            if slot in self._next or not 1 <= len(prompt) <= self.seq:
+                raise ValueError(f"slot {slot} of {self.bucket.name}: in use or bad prompt")
+        seconds = self.timings.prefill(length * len(prompts)) + self.timings.mixed_step_s
+        done = self.device.enqueue(seconds)
+        out = []
+        for s in slots:
+            out.append(self._token(s, self._next[s]))
+            self._next[s] += 1
+        for slot, prompt in zip(prompt_slots, prompts, strict=True):
+            self._next[slot] = len(prompt)
+            out.append(self._token(slot, len(prompt)))
+        return Pending(self.device, done, out)
 
     def free(self, slot: int) -> None:
         self._next.pop(slot, None)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import time
 
-from pipeline.runtime import decode_session
+from pipeline.runtime import session_slots
 
 _DELAY_S = float(os.environ["INF2_TEST_STEP_DELAY_S"])
-_launch = decode_session.DecodeSession.launch  # ``step`` is a launch read at once
+_Slots = session_slots.SessionSlots
+_launch = _Slots.launch  # ``step`` is a launch read at once
+_launch_mixed = _Slots.launch_mixed  # a step with prompts in it
 
 
 def _slow_launch(self, slots):
@@ -18,4 +20,10 @@ def _slow_launch(self, slots):
     return _launch(self, slots)
 
 
-decode_session.DecodeSession.launch = _slow_launch
+def _slow_launch_mixed(self, slots, *args, **kw):
+    time.sleep(_DELAY_S)
+    return _launch_mixed(self, slots, *args, **kw)
+
+
+_Slots.launch = _slow_launch
+_Slots.launch_mixed = _slow_launch_mixed

@@ -65,12 +65,12 @@ def test_the_dump_of_an_engine_loads_back_in_device_order(tmp_path):
 
 
 def test_install_does_nothing_without_its_variable(monkeypatch):
-    from pipeline.runtime.decode_session import DecodeSession
+    from pipeline.runtime.session_slots import SessionSlots
 
     monkeypatch.delenv(device_timeline.ENV, raising=False)
-    before = DecodeSession.launch
+    before = SessionSlots.launch
     device_timeline.install()
-    assert DecodeSession.launch is before
+    assert SessionSlots.launch is before
 
 
 class _Slots:

@@ -235,9 +235,9 @@ def test_slots_join_leave_and_skip_steps_each_equal_alone(demo_buckets, recorded
     prefilled together and alone (the 32- and 64-token prefill graphs), stepped together and
     one at a time while the other waits, freed and replaced; every row's tokens equal its
     prompt generated alone in a bucket of its own (fp32 on cpu)."""
-    from pipeline.runtime.aoti import SessionSlots
     from pipeline.runtime.decode_session import DecodeSession
     from pipeline.runtime.graph_loading import BucketGraphs
+    from pipeline.runtime.session_slots import SessionSlots
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
     alone = DecodeSession(BucketGraphs(demo_buckets / "b1_s64", weights=graphs.weights))
@@ -269,10 +269,10 @@ def test_sampled_slots_replayed_as_graphs_equal_eager_ones(demo_buckets):
     """The sampled path through recorded step and prefill graphs (their static inputs get
     the drawn token written back) gives the eager session's tokens for the same seeds,
     greedy rows beside it included, with rows held while others step."""
-    from pipeline.runtime.aoti import SessionSlots
     from pipeline.runtime.decode_session import DecodeSession
     from pipeline.runtime.graph_loading import BucketGraphs
     from pipeline.runtime.sampling import SamplingParams
+    from pipeline.runtime.session_slots import SessionSlots
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
     hot = SamplingParams(temperature=1.1, top_k=40, seed=21)
@@ -300,10 +300,10 @@ def test_the_recorded_sampler_draws_the_eager_tokens_of_both_kinds(demo_buckets)
     """Graphed, a step's sampled rows are drawn by one recorded sampler per kind (with a
     top-k/top-p filter or without), both recorded with the session: the tokens equal the
     eager draw's, a temperature-only row first and a filtered one joining it."""
-    from pipeline.runtime.aoti import SessionSlots
     from pipeline.runtime.decode_session import DecodeSession
     from pipeline.runtime.graph_loading import BucketGraphs
     from pipeline.runtime.sampling import SamplingParams
+    from pipeline.runtime.session_slots import SessionSlots
 
     graphs = BucketGraphs(demo_buckets / "b2_s64", single_threaded=True)
     warm = SamplingParams(temperature=0.8, seed=5)
@@ -324,5 +324,5 @@ def test_the_recorded_sampler_draws_the_eager_tokens_of_both_kinds(demo_buckets)
     eager, _ = run(None)
     replayed, session = run(ReplayRecorder())
     assert replayed == eager
-    graphs_made = session._sampler._graphs
+    graphs_made = session.sampler._graphs
     assert sorted(graphs_made) == [False, True] and all(graphs_made.values())

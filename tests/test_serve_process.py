@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError, InputError
-from tests.serve_helpers import REPO, ServerProcess, post
+from tests.serve_helpers import REPO, ServerProcess, get, metric, post
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -197,3 +197,26 @@ def test_prefill_merge_answers_as_prefills_by_length_do(release, tmp_path):
             assert s.stop() == 0
     by_length, merged, cheapest = answers.values()
     assert merged == by_length == cheapest and [len(a) for a in merged] == [n for _, n in prompts]
+
+
+def test_prompts_folded_into_steps_answer_as_prefilled_apart(release, tmp_path):
+    """``--fold-prompts always``, one admission an iteration: the first request opens a
+    bucket of two rows, the second joins it while the first runs and rides in its step (a
+    mixed call; the demo's b2 buckets have a mixed graph for 32-token prompts), the others
+    spill or wait. Every answer is the one prompts prefilled apart give, and the metrics
+    count the folded prefills."""
+    prompts = [([1, 2, 3], 20), ([4, 5], 18), ([6, 7, 8, 9], 12), ([10, 11], 9)]
+    answers, folded = {}, {}
+    for way in ("always", "off"):
+        log = tmp_path / f"serve-{way}.log"
+        flags = ("--fold-prompts", way, "--max-prefills", "1")
+        with ServerProcess(release, log, *flags, step_delay_s=STEP_DELAY_S) as s:
+            s.wait_ready()
+            answers[way] = together(s.url, prompts)
+            status, text = get(s.url + "/metrics")
+            assert status == 200
+            folded[way] = metric(text, "inf2_serve_prefills_folded_total")
+            assert s.stop() == 0
+    assert answers["always"] == answers["off"]
+    assert [len(a) for a in answers["off"]] == [n for _, n in prompts]
+    assert folded["always"] >= 1 and folded["off"] == 0

@@ -54,13 +54,16 @@ def plan(config: ConfigArg, json: JsonOpt = False) -> None:
         f"KV cache {human_bytes(g.kv_cache_bytes_per_token or 0)}/token"
     )
     out.print(f"weights per NeuronCore: {human_bytes(p.weight_bytes_per_core)}")
-    table = Table("bucket", "batch", "seq", "prefills", "KV cache/core", "total/core", "fits")
+    table = Table(
+        "bucket", "batch", "seq", "prefills", "mixed", "KV cache/core", "total/core", "fits"
+    )
     for m in p.buckets:
         table.add_row(
             m.bucket.name,
             str(m.bucket.batch),
             str(m.bucket.seq),
             ",".join(map(str, p.prefill_lengths(m.bucket))),
+            ",".join(map(str, p.mixed_lengths(m.bucket))) or "-",
             human_bytes(m.kv_cache_bytes),
             human_bytes(m.total_bytes),
             "yes" if m.fits else "[red]NO[/]",

@@ -67,6 +67,16 @@ def serve(
             "least (the default).",
         ),
     ] = "auto",
+    fold_prompts: Annotated[
+        str,
+        typer.Option(
+            "--fold-prompts",
+            help="Prefill a prompt admitted into a running bucket inside that bucket's decode "
+            "step (one pass over the weights for both; cpu/cuda buckets with mixed graphs): "
+            "auto: where the start-up timings say it costs less than a prefill call and a "
+            "step apart (the default); always; off.",
+        ),
+    ] = "auto",
     batching: Annotated[
         str,
         typer.Option(
@@ -141,6 +151,8 @@ def serve(
     if batching not in ("iteration", "static"):
         raise InputError(f"--batching {batching}", "unknown", "use iteration or static")
     merge = _prefill_merge(prefill_merge)
+    if fold_prompts not in ("auto", "always", "off"):
+        raise InputError(f"--fold-prompts {fold_prompts}", "unknown", "use auto, always or off")
     if api_key is not None and not api_key.strip():
         raise InputError(
             "--api-key (or INF2_SERVE_API_KEY)",
@@ -172,6 +184,7 @@ def serve(
             overflow=overflow,
             widest_from_idle=widest_from_idle,
             prefill_merge=merge,
+            fold_prompts=fold_prompts,
             batching=batching,
             api_key=api_key,
             chat_max_tokens=chat_max_tokens,

@@ -48,6 +48,18 @@ class Caches(NamedTuple):
     keys: Tensor | None  # [S'] cache positions attended, 0..S'-1; None for a prefill
 
 
+class Part(NamedTuple):
+    """One part of a ``Mixed`` call: N sequences of T positions, their rotary tables and
+    positions, and their caches (``layer`` filled in per layer)."""
+
+    n: Any  # int, or a symbolic size while exporting
+    t: int
+    cos: Tensor  # [N, T, D]
+    sin: Tensor
+    pos: Tensor  # [N, T]
+    caches: Caches
+
+
 # Rope types whose frequencies change with the sequence length at run time.
 DYNAMIC_ROPE = {"dynamic", "longrope"}
 
@@ -81,8 +93,18 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches) -> Tensor:
         # x: [B, T, hidden]; cos/sin: [B, T, D]; pos: [B, T]
-        b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        return self.o_proj(self.attend(*self.project(x), cos, sin, pos, caches))
+
+    def project(self, x: Tensor) -> tuple[Tensor, ...]:
+        """q, k, v of every position of ``x`` [..., hidden], in one matrix product."""
+        return self.qkv_proj(x).split(self.split, dim=-1)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches
+    ) -> Tensor:
+        """One part's attention: q/k/v [N, T, heads·D] of N sequences of T positions, rotated,
+        written into their cache rows, attended -> [N, T, heads·D]."""
+        b, t = q.shape[:2]
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -102,7 +124,7 @@ class Attention(nn.Module):
             y = attend(q, k_seen, v_seen, pos, keys[None], self.window)
         if y.dim() == 4:
             y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-        return self.o_proj(y)
+        return y
 
 
 class MLP(nn.Module):
@@ -126,6 +148,30 @@ class Layer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, caches: Caches):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, pos, caches)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_parts(self, x: Tensor, parts: list[Part], layer: int) -> Tensor:
+        """``forward`` over several parts at once (``Mixed``): x [Σ N·T, hidden] holds each
+        part's positions in turn; the projections and the MLP take them all in one matrix
+        product each (one pass over the weights), attention runs part by part, in order."""
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm(x))
+        ys, at = [], 0
+        for n, t, cos, sin, pos, caches in parts:
+            span = slice(at, at + n * t)
+            ys.append(
+                attn.attend(
+                    q[span].view(n, t, -1),
+                    k[span].view(n, t, -1),
+                    v[span].view(n, t, -1),
+                    cos,
+                    sin,
+                    pos,
+                    caches._replace(layer=layer),
+                ).reshape(n * t, -1)
+            )
+            at += n * t
+        x = x + attn.o_proj(torch.cat(ys))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -167,13 +213,16 @@ class Decoder(nn.Module):
         # row of each sequence; keys: [S'] the cache positions attention reads, 0..S'-1
         # (S' ≤ S), or None for a prefill from position 0
         x = self.model.embed_tokens(tokens)
-        freqs = pos[..., None].float() * self.rope_inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(x.dtype)
-        sin = (emb.sin() * self.rope_scale).to(x.dtype)
+        cos, sin = self.rotary(pos, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, pos, Caches(k_cache, v_cache, i, rows, keys))
         return x
+
+    def rotary(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [..., D] at positions ``pos`` [...]."""
+        freqs = pos[..., None].float() * self.rope_inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.model.norm(hidden)).float()
@@ -221,6 +270,53 @@ class Decode(Decoder):
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         hidden = self.hidden(tokens, positions[:, None], k_cache, v_cache, rows, key_positions)
         return greedy(self.logits(hidden[:, 0]))
+
+
+class Mixed(Decoder):
+    """Mixed graph: ``Decode``'s step of every row and ``Prefill``'s P prompts of T tokens in
+    one call, so the prompts ride in the step's pass over the weights.
+
+    On a GPU a small prefill call costs about what a step costs, a pass over the weights
+    whatever its few positions (bench/RESULTS.md, eighteenth round: 60 % of the current
+    replay's device time was prefill calls of ~70-token prompts). Here the projections and
+    the MLP take the B step rows and the P·T prompt positions in one matrix product each,
+    as vLLM's chunked prefill and Sarathi's piggybacking do, and attention runs per part:
+    the step over its rows' cache prefix (``key_positions``), each prompt over itself. The
+    prompts fill rows the step does not use; the step's writes come first (a free row's
+    step writes at its held position, which its prompt then overwrites)."""
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        prompt_tokens: Tensor,
+        prompt_lengths: Tensor,
+        prompt_slots: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        key_positions: Tensor,
+    ):
+        # tokens [B, 1], positions [B]: decode's; prompt_*: prefill's [P, T], [P], [P]
+        b = tokens.shape[0]
+        p, t = prompt_tokens.shape
+        dev = tokens.device
+        step_pos = positions[:, None]
+        prompt_pos = torch.arange(t, device=dev).expand(p, t)
+        flat = torch.cat((tokens.reshape(b), prompt_tokens.reshape(p * t)))
+        x = self.model.embed_tokens(flat)
+        step_cos, step_sin = self.rotary(step_pos, x.dtype)
+        prompt_cos, prompt_sin = self.rotary(prompt_pos, x.dtype)
+        rows = torch.arange(b, device=dev)
+        step = Caches(k_cache, v_cache, 0, rows, key_positions)
+        prompts = Caches(k_cache, v_cache, 0, prompt_slots, None)
+        parts = [
+            Part(b, 1, step_cos, step_sin, step_pos, step),
+            Part(p, t, prompt_cos, prompt_sin, prompt_pos, prompts),
+        ]
+        for i, layer in enumerate(self.model.layers):
+            x = layer.forward_parts(x, parts, i)
+        last = x[b:].view(p, t, -1)[torch.arange(p, device=dev), prompt_lengths - 1]
+        return greedy(self.logits(torch.cat((x[:b], last))))
 
 
 def greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -349,7 +445,7 @@ def check_supported(cfg: Any) -> None:
 
 
 def build(cfg: Any, dtype: torch.dtype, device: str | torch.device, graph: type = Decoder):
-    """A ``graph`` (Prefill, Decode) with uninitialised weights: enough to export, and no
+    """A ``graph`` (Prefill, Decode, Mixed) with uninitialised weights: enough to export, and no
     weights are read.
 
     The compiled packages keep weights out (``package_constants_in_so=False``), so export

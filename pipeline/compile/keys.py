@@ -26,8 +26,9 @@ from pipeline.plan.config import Release
 from pipeline.plan.report import release_gqa_plan
 
 # Bump when what a backend writes for the same inputs changes (graph ABI, file layout).
-# 3: graphs and prepared weights cached apart; 4: graph ABI 3; 5: graph ABI 4 (slots)
-FORMAT_VERSION = 5
+# 3: graphs and prepared weights cached apart; 4: graph ABI 3; 5: graph ABI 4 (slots);
+# 6: graph ABI 5 (mixed graphs)
+FORMAT_VERSION = 6
 # config.json fields that never reach the compiled graphs (a deny-list, on purpose: a field
 # we do not know is treated as one the graphs bake in, so an unknown field costs at worst a
 # needless recompile, never a graph paired with an architecture it was not built for).
@@ -98,7 +99,12 @@ def key_material(
         "options": be.key_options(cfg.compiler.flags, cfg.target.instance_type),
     }
     if be.prefill_per_length:
-        material["prefill_lengths"] = list(prefill_lengths(bucket, release.grid.prefill_lengths))
+        prefill = prefill_lengths(bucket, release.grid.prefill_lengths)
+        material["prefill_lengths"] = list(prefill)
+        configured = release.grid.mixed_lengths
+        mixed = be.mixed_lengths(bucket, prefill, None if configured is None else tuple(configured))
+        if mixed:  # in the key only where there are any
+            material["mixed_lengths"] = list(mixed)
     if be.graphs_depend_on_weights:
         material["weights"] = weights or weights_digest(release.checkpoint)
         material["model_config"] = model_config_digest(release.checkpoint)

@@ -305,6 +305,7 @@ class _Scheduler:
             shared=shared,
             instance_type=cfg.target.instance_type,
             prefill_lengths=tuple(self.release.grid.prefill_lengths),
+            mixed_lengths=_tuple_or_none(self.release.grid.mixed_lengths),
         )
         spec = {
             "kind": "bucket",
@@ -424,3 +425,7 @@ def _pad(src: Path, out: Path, tp: int, strategy: str) -> None:
             "install inf2-pipeline[torch]",
         ) from None
     pad_checkpoint(src, out, tp, strategy)
+
+
+def _tuple_or_none(values: list[int] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(values)

@@ -20,6 +20,9 @@ class BackendSpec:
     compiler: str  # a pipeline.compile.backends.base.Backend subclass
     runtime: str | None = None  # a pipeline.runtime.runners.Runner factory; None: not servable
     parity: str | None = None  # a pipeline.parity runner class; None: no parity check
+    # a grid without mixed_lengths gets mixed graphs (a step and prompts in one call) at
+    # the prefill lengths up to this (0: none; contracts.bucket.mixed_lengths)
+    mixed_longest: int = 0
 
 
 BACKENDS: dict[str, BackendSpec] = {
@@ -36,6 +39,11 @@ BACKENDS: dict[str, BackendSpec] = {
             compiler="pipeline.compile.backends.aoti:CudaBackend",
             runtime="pipeline.runtime.aoti:AotiRunner",
             parity="pipeline.parity.targets:AotiTarget",
+            # a short prompt's prefill call costs about a step on a GPU (a pass over the
+            # weights), so folding it into the step saves most of that; a long prompt's
+            # prefill is compute, which folding does not shrink, and each mixed graph is
+            # one more compile (bench/RESULTS.md, eighteenth round)
+            mixed_longest=256,
         ),
         BackendSpec(
             "cpu",

@@ -43,6 +43,20 @@ def prefill_lengths(bucket: Bucket, configured: Sequence[int] = ()) -> tuple[int
     return (*sorted({n for n in configured if n < bucket.seq}), bucket.seq)
 
 
+def mixed_lengths(
+    bucket: Bucket, prefill: Sequence[int], configured: Sequence[int] | None, longest: int
+) -> tuple[int, ...]:
+    """The prefill lengths ``prefill`` of ``bucket`` that also get a mixed graph: the
+    ``configured`` ones among them, or where none are configured (None) those up to
+    ``longest`` (the backend's default); none in a bucket of one row, whose only slot is
+    the one stepping."""
+    if bucket.batch < 2:
+        return ()
+    if configured is None:
+        return tuple(n for n in prefill if n <= longest)
+    return tuple(n for n in prefill if n in set(configured))
+
+
 def select_bucket(buckets: Iterable[Bucket], batch: int, seq: int) -> Bucket | None:
     """The bucket holding (batch, seq) with the fewest padded tokens, or None.
 

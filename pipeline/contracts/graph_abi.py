@@ -7,6 +7,9 @@ A bucket directory holds::
     prefill.pt2          AOTInductor package: prefill at the bucket's sequence length S
     prefill_<T>.pt2      the same at each shorter prefill length T (``prefill_lengths``)
     decode.pt2           AOTInductor package
+    mixed_<T>.pt2        a decode step and prompts of T tokens in one call, at each T of
+                         ``mixed_lengths`` (a subset of the prefill lengths; none by default
+                         on cpu)
     weights.safetensors  every constant of every graph, by name (identical in every bucket
                          of a release, so the store keeps one blob and a loader one copy)
 
@@ -45,6 +48,18 @@ greedy step needs no kernel of its own and a sampling step needs no new graph.
     next_tokens int64 [B]     argmax of logits
     attends to cache positions 0..positions (inclusive) of its own row
 
+``mixed(tokens, positions, prompt_tokens, prompt_lengths, prompt_slots, k_cache, v_cache,
+key_positions) -> (logits, next_tokens)``
+    decode's step of every row and prefill's P prompts, in one pass over the weights: the
+    matrix products take the B step rows and the P·T prompt positions together, and each
+    part attends as it would alone (the step over its rows' cache prefix, each prompt only
+    itself). Inputs as the two graphs name them; P is 1..``mixed_batch``, T the package's
+    length, ``prompt_slots`` rows the step does not use (their step outputs are ignored).
+    The step's cache writes come first, then the prompts': a free row's step writes at its
+    held position, and a prompt filling that row overwrites it.
+    logits      fp32  [B + P, V]  the B step rows, then each prompt's last real token
+    next_tokens int64 [B + P]     argmax of logits
+
 Weights: Hugging Face names, with q/k/v and gate/up stacked into ``qkv_proj`` and
 ``gate_up_proj`` (``pipeline.contracts.checkpoint_layout``).
 
@@ -67,14 +82,26 @@ from pathlib import Path
 from typing import Any
 
 # 2: fused qkv_proj / gate_up_proj weights; next_tokens output. 3: decode's key_positions.
-# 4: slots: prefill fills the cache rows it is given, at one of several prompt lengths
-ABI_VERSION = 4
+# 4: slots: prefill fills the cache rows it is given, at one of several prompt lengths.
+# 5: mixed graphs (a step and prompts in one call); graph.json's mixed_lengths, mixed_batch
+ABI_VERSION = 5
 GRAPH_FILE = "graph.json"
 PREFILL_FILE = "prefill.pt2"  # at the bucket's own length; shorter ones: prefill_file(T)
 DECODE_FILE = "decode.pt2"
+MIXED_FILE = "mixed_{}.pt2"  # by prompt length: mixed_file(T)
 WEIGHTS_FILE = "weights.safetensors"
 PREFILL_INPUTS = ("tokens", "lengths", "slots", "k_cache", "v_cache")
 DECODE_INPUTS = ("tokens", "positions", "k_cache", "v_cache", "key_positions")
+MIXED_INPUTS = (
+    "tokens",
+    "positions",
+    "prompt_tokens",
+    "prompt_lengths",
+    "prompt_slots",
+    "k_cache",
+    "v_cache",
+    "key_positions",
+)
 SMALLEST_TIER = 64  # the shortest cache prefix a decode step attends
 OUTPUTS = ("logits", "next_tokens")  # fp32 [B, V]; int64 [B], the argmax
 
@@ -110,6 +137,11 @@ class GraphSpec:
     # prompts one prefill call takes: 1..this many (the batch; 1 where export could not make
     # that size dynamic)
     prefill_batch: int = 1
+    # the prefill lengths that also have a mixed graph (empty: none), and the prompts one
+    # mixed call takes (1..this many; at most batch - 1, since a prompt needs a free row)
+    mixed_lengths: tuple[int, ...] = ()
+    mixed_batch: int = 0
+    mixed_inputs: tuple[str, ...] = MIXED_INPUTS
 
     def __post_init__(self) -> None:
         if not self.prefill_lengths:
@@ -144,7 +176,14 @@ class GraphSpec:
                 f"{ABI_VERSION}",
                 "compile and publish the release again with this version",
             )
-        for k in ("prefill_inputs", "decode_inputs", "outputs", "prefill_lengths"):
+        for k in (
+            "prefill_inputs",
+            "decode_inputs",
+            "mixed_inputs",
+            "outputs",
+            "prefill_lengths",
+            "mixed_lengths",
+        ):
             data[k] = tuple(data.get(k, ()))
         return cls(**data)
 
@@ -153,6 +192,11 @@ def prefill_file(length: int, seq: int | None = None) -> str:
     """The package of the prefill graph at ``length`` tokens: ``prefill.pt2`` at the bucket's
     own length ``seq`` (or when ``seq`` is not given and the caller means that one)."""
     return PREFILL_FILE if seq is None or length == seq else f"prefill_{length}.pt2"
+
+
+def mixed_file(length: int) -> str:
+    """The package of the mixed graph whose prompts are ``length`` tokens."""
+    return MIXED_FILE.format(length)
 
 
 def key_tiers(seq: int, smallest: int = SMALLEST_TIER) -> tuple[int, ...]:

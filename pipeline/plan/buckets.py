@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from pipeline.contracts.bucket import Bucket
 
@@ -23,14 +23,35 @@ class BucketGrid(BaseModel):
     # length (those below it; cpu/cuda only): a short prompt in a long bucket pays for its
     # own length. `buckets fit` fits them to a trace's prompt lengths.
     prefill_lengths: list[PositiveInt] = Field(default_factory=list)
+    # Prompt lengths (of the prefill lengths and sequence lengths) whose prompts may also be
+    # prefilled inside a decode step, by a mixed graph of their own (cpu/cuda; buckets of
+    # batch ≥ 2): a prompt admitted into a running bucket then costs no pass over the
+    # weights of its own. None: the backend's default (cuda: the prefill lengths up to 256;
+    # cpu: none); []: none.
+    mixed_lengths: list[PositiveInt] | None = None
 
-    @field_validator("batch_sizes", "sequence_lengths", "prefill_lengths")
+    @field_validator("batch_sizes", "sequence_lengths", "prefill_lengths", "mixed_lengths")
     @classmethod
-    def _no_duplicates(cls, v: list[int]) -> list[int]:
+    def _no_duplicates(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
         dups = sorted({x for x in v if v.count(x) > 1})
         if dups:
             raise ValueError(f"duplicate bucket sizes {dups}; list each size once")
         return sorted(v)
+
+    @field_validator("mixed_lengths")
+    @classmethod
+    def _mixed_are_prefill_lengths(cls, v: list[int] | None, info: ValidationInfo) -> Any:
+        # the fields above are validated first (declaration order); absent if they failed
+        known = {*info.data.get("prefill_lengths", ()), *info.data.get("sequence_lengths", ())}
+        unknown = sorted(set(v or ()) - known)
+        if unknown:
+            raise ValueError(
+                f"{unknown} are not prefill or sequence lengths of this grid; a mixed graph "
+                "prefills prompts of one of those lengths"
+            )
+        return v
 
     def buckets(self) -> list[Bucket]:
         return [Bucket(b, s) for b in self.batch_sizes for s in self.sequence_lengths]
@@ -46,4 +67,6 @@ def write_grid(grid: BucketGrid, path: Path, comment: str | None = None) -> None
     ]
     if grid.prefill_lengths:
         lines.append(f"prefill_lengths: {list(grid.prefill_lengths)}")
+    if grid.mixed_lengths is not None:
+        lines.append(f"mixed_lengths: {list(grid.mixed_lengths)}")
     atomic_write_text(path, "\n".join(lines) + "\n")

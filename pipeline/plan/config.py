@@ -72,6 +72,7 @@ class BucketsSection(_Section):
     batch_sizes: list[PositiveInt] | None = None
     sequence_lengths: list[PositiveInt] | None = None
     prefill_lengths: list[PositiveInt] | None = None  # overrides the grid file's
+    mixed_lengths: list[PositiveInt] | None = None  # overrides the grid file's
 
     @model_validator(mode="after")
     def _one_source(self) -> BucketsSection:
@@ -146,9 +147,14 @@ def load_config(path: Path | str) -> Release:
         grid = _grid_from_inline(
             located, config.buckets.batch_sizes, config.buckets.sequence_lengths
         )
-    if config.buckets.prefill_lengths is not None:  # the config's own override the grid's
+    own = config.buckets  # the config's own prefill and mixed lengths override the grid's
+    if own.prefill_lengths is not None or own.mixed_lengths is not None:
         grid = _grid_from_inline(
-            located, grid.batch_sizes, grid.sequence_lengths, config.buckets.prefill_lengths
+            located,
+            grid.batch_sizes,
+            grid.sequence_lengths,
+            grid.prefill_lengths if own.prefill_lengths is None else own.prefill_lengths,
+            grid.mixed_lengths if own.mixed_lengths is None else own.mixed_lengths,
         )
     config = config.model_copy(update=update)
     _check_checkpoint(located, config.model.checkpoint)
@@ -198,13 +204,18 @@ def _config_error(located: Located, err: dict[str, Any]) -> ConfigError:
 
 
 def _grid_from_inline(
-    located: Located, batch_sizes: Any, sequence_lengths: Any, prefill_lengths: Any = ()
+    located: Located,
+    batch_sizes: Any,
+    sequence_lengths: Any,
+    prefill_lengths: Any = (),
+    mixed_lengths: Any = None,
 ) -> BucketGrid:
     try:
         return BucketGrid(
             batch_sizes=batch_sizes,
             sequence_lengths=sequence_lengths,
             prefill_lengths=list(prefill_lengths),
+            mixed_lengths=None if mixed_lengths is None else list(mixed_lengths),
         )
     except ValidationError as e:
         err = dict(e.errors()[0])

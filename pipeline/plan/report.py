@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.contracts.bucket import Bucket, prefill_lengths
+from pipeline.contracts import backend_table
+from pipeline.contracts.bucket import Bucket, mixed_lengths, prefill_lengths
 from pipeline.errors import PlanError
 from pipeline.plan.checkpoint import ModelShape, read_shape
 from pipeline.plan.config import DTYPE_BYTES, Release
@@ -39,6 +40,20 @@ class ReleasePlan:
             return prefill_lengths(bucket, self.release.grid.prefill_lengths)
         return (bucket.seq,)
 
+    def mixed_lengths(self, bucket: Bucket) -> tuple[int, ...]:
+        """The prompt lengths the bucket also has a mixed graph for (a step and prompts in
+        one call; cpu/cuda): the grid's, or the backend's default up to a length."""
+        backend = self.release.config.target.backend
+        if backend not in ("cpu", "cuda"):
+            return ()
+        configured = self.release.grid.mixed_lengths
+        return mixed_lengths(
+            bucket,
+            self.prefill_lengths(bucket),
+            None if configured is None else tuple(configured),
+            backend_table.spec(backend).mixed_longest,
+        )
+
     @property
     def all_fit(self) -> bool:
         return all(b.fits for b in self.buckets)
@@ -60,6 +75,7 @@ class ReleasePlan:
                     "batch": m.bucket.batch,
                     "seq": m.bucket.seq,
                     "prefill_lengths": list(self.prefill_lengths(m.bucket)),
+                    "mixed_lengths": list(self.mixed_lengths(m.bucket)),
                     "kv_cache_bytes_per_core": m.kv_cache_bytes,
                     "total_bytes_per_core": m.total_bytes,
                     "fits": m.fits,

@@ -20,7 +20,7 @@ from pipeline.store.manifest import Manifest
 
 if TYPE_CHECKING:
     from pipeline.runtime.decode_session import DecodeSession
-    from pipeline.runtime.sampling import SamplingParams
+    from pipeline.runtime.session_slots import SessionSlots
 
 
 class AotiRunner:
@@ -58,6 +58,8 @@ class AotiRunner:
 
     def slots(self, bucket: Bucket) -> SessionSlots:
         """The bucket's rows as slots (``Slots``), on the same session and caches."""
+        from pipeline.runtime.session_slots import SessionSlots
+
         if bucket not in self._slots:
             self._slots[bucket] = SessionSlots(self.session(bucket))
         return self._slots[bucket]
@@ -97,40 +99,3 @@ def _check_runnable(manifest: Manifest) -> None:
 
 def _minor(version: str) -> tuple[str, ...]:
     return tuple(version.split("+")[0].split(".")[:2])
-
-
-class SessionSlots:
-    """A ``DecodeSession`` under the ``Slots`` interface (``pipeline.runtime.runners``)."""
-
-    def __init__(self, session: DecodeSession) -> None:
-        self.session = session
-        self.batch = session.batch
-        self.seq = session.seq
-        # the session's own calls: several prompts in one prefill call (at most
-        # ``prefill_batch``; the engine groups what it admits together by prefill length),
-        # one step, and both queued (``launch_prefill``, ``launch``: tokens read when asked)
-        self.prefill_many = session.prefill_slots
-        self.launch_prefill = session.launch_prefill
-        self.step = session.step
-        self.launch = session.launch
-        self.free = session.free
-
-    @property
-    def prefill_lengths(self) -> tuple[int, ...]:
-        """The prompt lengths this bucket has prefill graphs for."""
-        return self.session.spec.prefill_lengths
-
-    @property
-    def prefill_batch(self) -> int:
-        """Prompts one ``prefill_many`` call takes."""
-        return self.session.spec.prefill_batch
-
-    def prefill(
-        self, slot: int, prompt: Sequence[int], sampling: SamplingParams | None = None
-    ) -> int:
-        params = None if sampling is None else [sampling]
-        return self.session.prefill_slots([slot], [prompt], params)[0]
-
-    def prefill_positions(self, prompt: int) -> int:
-        """Positions a prefill of ``prompt`` tokens computes: its prefill graph's length."""
-        return self.session.spec.prefill_length(prompt)

@@ -12,6 +12,7 @@ from pipeline.contracts.graph_abi import (
     WEIGHTS_FILE,
     GraphSpec,
     cuda_arch,
+    mixed_file,
     prefill_file,
 )
 
@@ -152,6 +153,14 @@ class BucketGraphs:
         self.decode = _checked_key_positions(
             load_graph(self.dir / DECODE_FILE, *args, single_threaded=single_threaded), self.spec
         )
+        # prompt length T -> the mixed graph of prompts of T tokens (a step beside them)
+        self.mixed = {
+            n: _checked_key_positions(
+                load_graph(self.dir / mixed_file(n), *args, single_threaded=single_threaded),
+                self.spec,
+            )
+            for n in self.spec.mixed_lengths
+        }
 
     def new_cache(self) -> tuple[Any, Any]:
         return new_cache(self.spec, self.device)

@@ -70,7 +70,12 @@ class Slots(Protocol):
     #       call (``sampling``: one ``SamplingParams`` per prompt), at most
     #       ``prefill_batch`` of them (the engine groups them by prefill length);
     #   prefill_positions(n) -> positions a prefill of n tokens computes (default: seq);
-    #   prefill_lengths: the prompt lengths it has prefill graphs for (warm-up runs each).
+    #   prefill_lengths: the prompt lengths it has prefill graphs for (warm-up runs each);
+    #   launch, launch_prefill: ``step`` and ``prefill_many`` queued, their tokens a
+    #       ``Pending`` read later (``pipeline.runtime.pending``);
+    #   launch_mixed(slots, prompt_slots, prompts, sampling=None) -> Pending: a step of
+    #       ``slots`` and prompts prefilled into free ``prompt_slots`` in one call, at most
+    #       ``mixed_batch`` of them at one of ``mixed_lengths`` (``serve --fold-prompts``).
 
 
 class Runner(Protocol):

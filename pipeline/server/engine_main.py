@@ -65,8 +65,8 @@ class Relay:
         else:
             self.records.append(("itl", now - req.last_token))
 
-    def prefill(self, bucket: Bucket, real: int, computed: int) -> None:
-        self.records.append(("prefill", bucket.name, real, computed))
+    def prefill(self, bucket: Bucket, real: int, computed: int, folded: bool = False) -> None:
+        self.records.append(("prefill", bucket.name, real, computed, folded))
 
     def step(self, bucket: Bucket, rows: int) -> None:
         self.records.append(("step", bucket.name, rows))

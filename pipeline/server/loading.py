@@ -29,6 +29,9 @@ class ServeOptions:
     # a prompt may share a prefill call at a longer length that pads it by at most this;
     # "auto": the calls that cost least by each bucket's prefill calls, timed at start-up
     prefill_merge: int | str = "auto"
+    # a prompt admitted into a running bucket prefilled inside its step (a mixed call):
+    # "auto" where the start-up timings say it costs less, "always", or "off"
+    fold_prompts: str = "auto"
     batching: str = "iteration"  # or "static": the batch-at-a-time baseline
     api_key: str | None = None  # required as `Authorization: Bearer` on /v1 when set
     # a chat answer's length when the request names none (None: what the largest bucket
@@ -114,7 +117,8 @@ def make_engine(
     auto = o.prefill_merge == "auto"
     # the largest call the engine makes: max_prefills prompts (static fills a whole bucket)
     most = None if o.batching == "static" else o.max_prefills
-    costs = measure_all(model, list(resident), most) if auto else None
+    timed = auto or o.fold_prompts == "auto"
+    costs = measure_all(model, list(resident), most) if timed else None
     return Engine(
         model,
         resident,
@@ -125,7 +129,9 @@ def make_engine(
         overflow=o.overflow,
         widest_from_idle=o.widest_from_idle,
         prefill_merge=0 if auto else int(o.prefill_merge),
-        prefill_costs=costs,
+        prefill_costs=costs if auto else None,
+        fold=o.fold_prompts,
+        fold_costs=costs,
         batching=o.batching,
         overlap=o.overlap,
         hooks=hooks,
@@ -137,7 +143,7 @@ def warm(slots: Any) -> None:
     """Run every graph the bucket has once, in slot 0 (then free it), so no first request
     pays a graph's first-call costs: a prompt at each prefill length (cpu/cuda; on neuron a
     two-token prompt, since one token takes the decode graph), a shared prefill call where
-    the slots have one, and a step."""
+    the slots have one, a step, and a mixed call at each mixed length."""
     for n in getattr(slots, "prefill_lengths", None) or [min(2, slots.seq - 1)]:
         slots.prefill(0, [0] * n)
         slots.free(0)
@@ -149,3 +155,9 @@ def warm(slots: Any) -> None:
         slots.prefill_many([0, 1], [[0, 0], [0, 0]])
         slots.free(0)
         slots.free(1)
+    if hasattr(slots, "launch_mixed") and slots.seq > 2:  # a step with a prompt in it
+        for n in getattr(slots, "mixed_lengths", ()):
+            slots.prefill(0, [0, 0])
+            slots.launch_mixed([0], [1], [[0] * n]).tokens()
+            slots.free(0)
+            slots.free(1)

@@ -56,6 +56,13 @@ class Metrics:
             ["bucket"],
             registry=r,
         )
+        self.folded = Counter(
+            "inf2_serve_prefills_folded",
+            "Prefills run inside a decode step (a mixed call: serve --fold-prompts), by "
+            "bucket; counted in inf2_serve_prefills too",
+            ["bucket"],
+            registry=r,
+        )
         self.steps = Counter(
             "inf2_serve_steps", "Decode steps run, by bucket", ["bucket"], registry=r
         )
@@ -150,8 +157,10 @@ class Metrics:
         else:
             self.itl.observe(now - req.last_token)
 
-    def prefill(self, bucket: Bucket, real: int, computed: int) -> None:
+    def prefill(self, bucket: Bucket, real: int, computed: int, folded: bool = False) -> None:
         self.prefills.labels(bucket.name).inc()
+        if folded:
+            self.folded.labels(bucket.name).inc()
         self.positions.labels(bucket.name, "prefill", "real").inc(real)
         self.positions.labels(bucket.name, "prefill", "padding").inc(max(computed - real, 0))
 

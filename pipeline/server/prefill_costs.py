@@ -1,4 +1,5 @@
-"""What a bucket's prefill calls cost, measured at start-up, for ``serve --prefill-merge auto``.
+"""What a bucket's prefill calls cost, measured at start-up, for ``serve --prefill-merge auto``,
+and what folding them into a step saves, for ``serve --fold-prompts auto``.
 
 Whether prompts of different prefill lengths should share a call depends on the device: on a
 GPU a small call is a pass over the weights whatever its few positions (1.2–1.5 ms on the
@@ -6,7 +7,10 @@ H200 for 1–2 prompts of 64–256 tokens, bench/RESULTS.md, sixteenth round), s
 for its padding; on cpu a position costs its compute, so padding costs more than a call.
 Rather than a threshold tuned per device, ``measure`` times the bucket's own calls once, and
 the engine splits each iteration's prompts into the calls that cost least by that table
-(``placement.cheapest_prefills``).
+(``placement.cheapest_prefills``). Where the bucket has mixed graphs (a step and prompts in
+one call), a step and each mixed call are timed too, and the engine folds a call into its
+bucket's step where the mixed call costs less than the call and the step apart
+(``placement.fold_call``).
 """
 
 from __future__ import annotations
@@ -29,35 +33,66 @@ GRAPHED_PROMPTS = 8
 
 @dataclass(frozen=True)
 class PrefillCosts:
-    """Median seconds of one prefill call, by (prompts, prefill length)."""
+    """Median seconds of one prefill call, by (prompts, prefill length); of one step (one row
+    stepping) and of one mixed call (that step and the prompts), where measured."""
 
     seconds: dict[tuple[int, int], float]
+    step: float = 0.0
+    mixed: dict[tuple[int, int], float] = field(default_factory=dict)
     # (prompts, seconds) rising, by length: the engine asks many times an iteration
     _by_length: dict[int, list[tuple[int, float]]] = field(init=False, repr=False)
+    _mixed_by_length: dict[int, list[tuple[int, float]]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        by_length: dict[int, list[tuple[int, float]]] = {}
-        for (p, t), s in sorted(self.seconds.items()):
-            by_length.setdefault(t, []).append((p, s))
-        object.__setattr__(self, "_by_length", by_length)
+        object.__setattr__(self, "_by_length", _by_length(self.seconds))
+        object.__setattr__(self, "_mixed_by_length", _by_length(self.mixed))
 
     def __call__(self, prompts: int, length: int) -> float:
         """A call's cost, interpolated linearly between the prompt counts measured at its
         length (every call the engine makes is within them)."""
-        at = self._by_length.get(length)
-        if not at:
-            raise KeyError(f"no prefill call of length {length} was measured")
-        for (p0, s0), (p1, s1) in itertools.pairwise(at):
-            if p0 <= prompts <= p1:
-                return s0 + (s1 - s0) * (prompts - p0) / (p1 - p0)
-        p, s = at[0] if prompts < at[0][0] else at[-1]
-        return s * prompts / p  # outside what was measured: proportional
+        return _interpolated(self._by_length, prompts, length, "prefill")
+
+    def fold_saving(self, prompts: int, length: int) -> float | None:
+        """What folding a prefill call of ``prompts`` at ``length`` into its bucket's step
+        saves: the call and the step apart, less the mixed call (negative: it costs); None
+        where no mixed call of that length was measured."""
+        if length not in self._mixed_by_length:
+            return None
+        mixed = _interpolated(self._mixed_by_length, prompts, length, "mixed")
+        return self(prompts, length) + self.step - mixed
 
     def describe(self) -> str:
-        return "; ".join(
+        text = "; ".join(
             f"{t}: " + " ".join(f"{p}×{s * 1e3:.2f}ms" for p, s in at)
             for t, at in sorted(self._by_length.items())
         )
+        if not self.mixed:
+            return text
+        mixed = "; ".join(
+            f"{t}: " + " ".join(f"{p}×{s * 1e3:.2f}ms" for p, s in at)
+            for t, at in sorted(self._mixed_by_length.items())
+        )
+        return f"{text}; a step {self.step * 1e3:.2f}ms; mixed {mixed}"
+
+
+def _by_length(seconds: dict[tuple[int, int], float]) -> dict[int, list[tuple[int, float]]]:
+    by_length: dict[int, list[tuple[int, float]]] = {}
+    for (p, t), s in sorted(seconds.items()):
+        by_length.setdefault(t, []).append((p, s))
+    return by_length
+
+
+def _interpolated(
+    by_length: dict[int, list[tuple[int, float]]], prompts: int, length: int, kind: str
+) -> float:
+    at = by_length.get(length)
+    if not at:
+        raise KeyError(f"no {kind} call of length {length} was measured")
+    for (p0, s0), (p1, s1) in itertools.pairwise(at):
+        if p0 <= prompts <= p1:
+            return s0 + (s1 - s0) * (prompts - p0) / (p1 - p0)
+    p, s = at[0] if prompts < at[0][0] else at[-1]
+    return s * prompts / p  # outside what was measured: proportional
 
 
 def prompt_counts(limit: int) -> list[int]:
@@ -84,31 +119,86 @@ def measure(
 ) -> PrefillCosts | None:
     """Time the bucket's prefill calls of up to ``limit`` prompts (default: as many as a
     call takes), the median of ``reps`` after one untimed call, in its first rows, freed
-    after; None where the slots take one prompt a call (neuron: its context encoding runs at
+    after, and a step and the mixed calls where the slots have them; None where the slots
+    take one prompt a call and have no mixed calls (neuron: its context encoding runs at
     batch 1), so there is nothing to choose. Start-up stays short on a slow device: a call
     slower than ``SLOW_S`` is timed once, and larger counts at its length are not timed
     (their cost is taken as proportional: such calls are compute)."""
     size = min(int(getattr(slots, "prefill_batch", 1)), int(slots.batch), limit or 1 << 30)
     lengths = getattr(slots, "prefill_lengths", None)
-    if size <= 1 or not lengths or not hasattr(slots, "prefill_many"):
+    mixes = bool(getattr(slots, "mixed_lengths", ())) and hasattr(slots, "launch_mixed")
+    if (size <= 1 and not mixes) or not lengths or not hasattr(slots, "prefill_many"):
         return None
     seconds: dict[tuple[int, int], float] = {}
     for length in lengths:
         for p in prompt_counts(size):
             rows, prompts = list(range(p)), [[0] * length for _ in range(p)]
-            took: list[float] = []
-            for rep in range(reps + 1):
-                t = clock()
+
+            def call(rows: list[int] = rows, prompts: list[list[int]] = prompts) -> None:
                 slots.prefill_many(rows, prompts)  # returns the tokens: the call has ended
-                took.append(clock() - t)
                 for r in rows:
                     slots.free(r)
-                if rep == 1 and took[-1] > SLOW_S:
-                    break
-            seconds[p, length] = statistics.median(took[1:] or took)
+
+            seconds[p, length] = _timed(call, reps, clock)
             if seconds[p, length] > SLOW_S:
                 break
-    return PrefillCosts(seconds)
+    step, mixed = _measure_mixed(
+        slots, min(size, int(getattr(slots, "mixed_batch", 0))), reps, clock
+    )
+    return PrefillCosts(seconds, step, mixed)
+
+
+def _measure_mixed(
+    slots: Any, size: int, reps: int, clock: Callable[[], float]
+) -> tuple[float, dict[tuple[int, int], float]]:
+    """A step of row 0 alone, and that step with 1..``size`` prompts in rows 1.. at each
+    mixed length (nothing where the slots have no mixed calls)."""
+    lengths = getattr(slots, "mixed_lengths", ())
+    if size < 1 or not lengths or not hasattr(slots, "launch_mixed") or slots.seq < 4:
+        return 0.0, {}
+    at = [slots.seq]  # row 0's next position: filled again before it runs out
+
+    def ready() -> None:
+        if at[0] >= slots.seq - 1:
+            slots.free(0)
+            slots.prefill(0, [0, 0])
+            at[0] = 2
+        at[0] += 1
+
+    def step() -> None:
+        ready()
+        slots.step([0])
+
+    step_s = _timed(step, reps, clock)
+    mixed: dict[tuple[int, int], float] = {}
+    for length in lengths:
+        for p in range(1, size + 1):
+            rows, prompts = list(range(1, p + 1)), [[0] * length for _ in range(p)]
+
+            def call(rows: list[int] = rows, prompts: list[list[int]] = prompts) -> None:
+                ready()
+                slots.launch_mixed([0], rows, prompts).tokens()
+                for r in rows:
+                    slots.free(r)
+
+            mixed[p, length] = _timed(call, reps, clock)
+            if mixed[p, length] > SLOW_S:
+                break
+    slots.free(0)
+    return step_s, mixed
+
+
+def _timed(call: Callable[[], None], reps: int, clock: Callable[[], float]) -> float:
+    """The median of ``reps`` timings of ``call`` after an untimed one; a call slower than
+    ``SLOW_S`` is timed once."""
+    took: list[float] = []
+    for rep in range(reps + 1):
+        t = clock()
+        call()
+        took.append(clock() - t)
+        if rep == 1 and took[-1] > SLOW_S:
+            break
+    return statistics.median(took[1:] or took)
 
 
 def measure_all(

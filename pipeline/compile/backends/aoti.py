@@ -31,7 +31,8 @@ from typing import Any
 
 from pipeline.compile.backends import pdl, tuning
 from pipeline.compile.backends.base import Backend, BucketJob, BucketOutput
-from pipeline.contracts.bucket import prefill_lengths
+from pipeline.contracts import backend_table
+from pipeline.contracts.bucket import Bucket, mixed_lengths, prefill_lengths
 from pipeline.contracts.checkpoint_layout import fuse_checkpoint
 from pipeline.contracts.graph_abi import (
     DECODE_FILE,
@@ -39,6 +40,7 @@ from pipeline.contracts.graph_abi import (
     WEIGHTS_FILE,
     GraphSpec,
     cuda_arch,
+    mixed_file,
     prefill_file,
 )
 from pipeline.errors import CheckpointError, InputError
@@ -91,6 +93,13 @@ def parse_flags(flags: tuple[str, ...] | list[str]) -> dict[str, Any]:
 class AotiBackend(Backend):
     device = "cpu"
     prefill_per_length = True
+
+    def mixed_lengths(
+        self, bucket: Bucket, prefill: tuple[int, ...], configured: tuple[int, ...] | None
+    ) -> tuple[int, ...]:
+        entry = backend_table.BACKENDS.get(getattr(self, "name", ""))
+        longest = entry.mixed_longest if entry else 0  # the default, where none are given
+        return mixed_lengths(bucket, prefill, configured, longest)
 
     def versions(self) -> dict[str, str]:
         return {p: metadata.version(p) for p in ("torch", "transformers")}
@@ -182,8 +191,12 @@ class AotiBackend(Backend):
             prefill_lengths=prefill_lengths(job.bucket, job.prefill_lengths),
             prefill_batch=job.bucket.batch,
         )
+        mixed = self.mixed_lengths(job.bucket, spec.prefill_lengths, job.mixed_lengths)
+        spec = dataclasses.replace(spec, mixed_lengths=mixed)
         options = self.inductor_options(job.flags)
-        per_graph = {dec.Prefill: self.prefill_options(job.flags), dec.Decode: options}
+        # mixed graphs are prefill-sized products too (and replayed as CUDA graphs)
+        prefill_options = self.prefill_options(job.flags)
+        per_graph = {dec.Prefill: prefill_options, dec.Decode: options, dec.Mixed: prefill_options}
         seconds = {}
         cache = [torch.zeros(spec.cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
         for name, graph, inputs, dynamic in self._graphs(spec, *cache):
@@ -192,6 +205,8 @@ class AotiBackend(Backend):
                 spec = dataclasses.replace(spec, constants=constant_specs(module))
             if graph is dec.Prefill and spec.prefill_batch == 1 and dynamic is not None:
                 inputs, dynamic = _one_prompt(inputs), None  # an earlier length fell back
+            if graph is dec.Mixed:  # what the prefill and decode graphs could be made
+                inputs, dynamic = _as_built(spec, inputs, dynamic)
             start = time.monotonic()
             with torch.no_grad():
                 try:
@@ -202,6 +217,8 @@ class AotiBackend(Backend):
                     if dynamic is None:
                         raise
                     why = str(e).splitlines()[0]
+                    if graph is dec.Mixed:  # the sizes decode and prefill took are fixed
+                        raise
                     if graph is dec.Decode:
                         # An attention kernel whose inputs must be padded or aligned makes
                         # the attended length take fixed values: attend the whole bucket.
@@ -222,11 +239,14 @@ class AotiBackend(Backend):
             pdl_note = f", {len(launched)} kernels launched with PDL" if launched else ""
             print(f"{name}: exported and compiled in {seconds[name]}s{pdl_note}", flush=True)
             check_loads(path)
+        if spec.mixed_lengths:  # as many prompts as prefill takes, in the rows left free
+            spec = dataclasses.replace(spec, mixed_batch=min(spec.prefill_batch, spec.batch - 1))
         (job.out_dir / GRAPH_FILE).write_text(spec.to_json())
         # No weights here: prepare() wrote them once, cached under the weights key.
         names = [
             *(prefill_file(n, spec.seq) for n in spec.prefill_lengths),
             DECODE_FILE,
+            *(mixed_file(n) for n in spec.mixed_lengths),
             GRAPH_FILE,
         ]
         files = {n: job.out_dir / n for n in names}
@@ -265,6 +285,21 @@ class AotiBackend(Backend):
         zeros = torch.zeros((b,), dtype=torch.long, device=dev)
         inputs = (tokens, zeros, k_cache, v_cache, keys)
         yield DECODE_FILE, Decode, inputs, (None, None, None, None, attended)
+        # Mixed: decode's step inputs, then 1..B-1 prompts (the rows the step leaves free),
+        # after decode and prefill so that it takes the sizes they could make dynamic
+        if not spec.mixed_lengths:
+            return
+        from pipeline.compile.decoder import Mixed
+
+        p = min(2, b - 1)
+        few = {0: torch.export.Dim("prompts", min=1, max=b - 1)} if b > 2 else None
+        rows = torch.arange(b - p, b, dtype=torch.long, device=dev)  # free rows: the last
+        for n in spec.mixed_lengths:
+            prompt = torch.zeros((p, n), dtype=torch.long, device=dev)
+            lengths = torch.full((p,), n, dtype=torch.long, device=dev)
+            inputs = (tokens, zeros, prompt, lengths, rows, k_cache, v_cache, keys)
+            dims = (None, None, few, few, few, None, None, attended)
+            yield mixed_file(n), Mixed, inputs, dims
 
 
 class CpuBackend(AotiBackend):
@@ -345,6 +380,20 @@ def cxx_identity() -> str:
     except (OSError, subprocess.SubprocessError) as e:
         return f"{path} ({type(e).__name__})"
     return f"{path}: {(out.stdout.splitlines() or [''])[0]}"
+
+
+def _as_built(spec: GraphSpec, inputs: tuple, dynamic: Any) -> tuple[tuple, Any]:
+    """A mixed graph's example inputs and dynamic sizes cut to what the bucket's other graphs
+    were built with: one prompt a call where prefill could take only one, the whole bucket
+    attended where decode could not attend a prefix."""
+    tokens, positions, prompt, lengths, slots, k, v, keys = inputs
+    dims = list(dynamic)
+    if spec.prefill_batch == 1:
+        prompt, lengths, slots = prompt[:1], lengths[:1], slots[:1]
+        dims[2] = dims[3] = dims[4] = None
+    if not spec.attend_prefix:
+        dims[7] = None
+    return (tokens, positions, prompt, lengths, slots, k, v, keys), tuple(dims)
 
 
 def _one_prompt(inputs: tuple) -> tuple:

@@ -32,6 +32,8 @@ class BucketJob:
     instance_type: str = ""  # the config's target.instance_type (neuron: the compile target)
     # the grid's prefill lengths (``contracts.bucket.prefill_lengths`` picks a bucket's)
     prefill_lengths: tuple[int, ...] = ()
+    # the grid's mixed lengths (None: the backend's default; ``Backend.mixed_lengths``)
+    mixed_lengths: tuple[int, ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -41,6 +43,7 @@ class BucketJob:
             out_dir=str(self.out_dir),
             flags=list(self.flags),
             prefill_lengths=list(self.prefill_lengths),
+            mixed_lengths=None if self.mixed_lengths is None else list(self.mixed_lengths),
             shared={k: str(v) for k, v in self.shared.items()},
         )
         return d
@@ -59,6 +62,7 @@ class BucketJob:
             shared={k: Path(v) for k, v in d["shared"].items()},
             instance_type=d.get("instance_type", ""),
             prefill_lengths=tuple(d.get("prefill_lengths", ())),
+            mixed_lengths=None if d.get("mixed_lengths") is None else tuple(d["mixed_lengths"]),
         )
 
 
@@ -85,6 +89,15 @@ class Backend(ABC):
     # backend's prefill always covers the bucket's whole length (optimum-neuron pads every
     # prefill to the export's sequence length), so the lengths stay out of its keys.
     prefill_per_length: bool = False
+
+    def mixed_lengths(
+        self, bucket: Bucket, prefill: tuple[int, ...], configured: tuple[int, ...] | None
+    ) -> tuple[int, ...]:
+        """The prefill lengths of ``bucket`` (``prefill``, its own) that get a mixed graph (a
+        decode step and prompts in one call), given the grid's ``configured`` ones. Default:
+        none (neuron: optimum-neuron's models run context encoding and token generation
+        as separate graphs)."""
+        return ()
 
     def unavailable_reason(self) -> str | None:
         """None when this backend can compile here; else one line saying what is missing."""

@@ -1,0 +1,307 @@
+"""The engine's calls on its buckets' slots: prefills, steps and mixed calls (a step with a
+prefill call folded into it), launched and read back (``Calls``, which ``Engine`` runs).
+
+Launching: an iteration's admitted prompts of one bucket go into prefill calls
+(``placement.prefill_calls``); where the slots have mixed calls and the bucket steps this
+iteration, one of those calls may ride in the step instead (``placement.fold_call``: by the
+start-up timings, ``serve --fold-prompts``), so its prompts cost no pass over the weights of
+their own. A shared prefill call that raises at launch runs again one prompt a call, and a
+mixed call that raises at launch runs again as its prefill and the step apart, so only the
+culprit fails.
+
+Reading: a call's tokens go to the rows it held that are still its requests' (``Launched.
+theirs``): first tokens to its prompts, next tokens to its step's rows. A prefill whose
+tokens cannot be read fails its requests; a step or mixed call fails every row it held
+(they shared it) and counts towards the engine's ``FAIL_AFTER``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.contracts.bucket import Bucket
+from pipeline.runtime.pending import Pending, Ready
+from pipeline.server.jobs import Event, Failed, Request, sampling_args
+from pipeline.server.placement import fold_call, prefill_calls
+
+log = logging.getLogger("inf2_pipeline.serve")
+
+
+@dataclass
+class Resident:
+    """A resident bucket: its slots, and the request each busy slot holds."""
+
+    bucket: Bucket
+    slots: Any  # Slots
+    rows: dict[int, Request] = field(default_factory=dict)  # slot -> its request
+
+
+@dataclass
+class Launched:
+    """A prefill, step or mixed call (a step with prompts in it) launched on a bucket's
+    slots, its tokens not read yet."""
+
+    res: Resident
+    rows: list[tuple[int, Request]]  # (slot, its request) in the call's order
+    pending: Pending
+    computed: int = 0  # positions per prompt of the call's prompts
+    deferred: bool = False  # read at the engine's next chance, not at once
+    prompts: int = 0  # its last rows that are prompts: all of a prefill's, none of a step's
+
+    @property
+    def prefill(self) -> bool:
+        return self.prompts == len(self.rows)
+
+    def theirs(self) -> list[tuple[int, Request]]:
+        """The rows still held by the request they were launched for (a row retired since,
+        whose slot may already hold another request, gets nothing of this call)."""
+        return [(s, r) for s, r in self.rows if self.res.rows.get(s) is r]
+
+
+class Calls:
+    """The launching and reading half of ``Engine``, which provides what is declared here
+    (its options, its per-iteration state) and the row bookkeeping it calls back into."""
+
+    hooks: Any
+    overlap: bool
+    max_prefills: int
+    prefill_merge: int
+    prefill_costs: dict[Bucket, Any]
+    fold: str
+    fold_costs: dict[Bucket, Any]
+    _resident: list[Resident]
+    _folds: dict[Bucket, tuple[int, list[tuple[int, Request, int]]]]
+    _said: set[tuple[Any, ...]]
+    _failures: int
+
+    def _timed(self, part: str) -> contextlib.AbstractContextManager[Any]:
+        raise NotImplementedError
+
+    def _retire(
+        self, res: Resident, slot: int, out: list[tuple[Request, Event]], event: Event | None
+    ) -> None:
+        raise NotImplementedError
+
+    def _step_failed(
+        self,
+        res: Resident,
+        rows: list[tuple[int, Request]],
+        e: Exception,
+        out: list[tuple[Request, Event]],
+    ) -> None:
+        raise NotImplementedError
+
+    def _deliver_token(
+        self, res: Resident, slot: int, token: int, out: list[tuple[Request, Event]]
+    ) -> None:
+        raise NotImplementedError
+
+    def _launch_prefills(
+        self, admitted: list[tuple[Request, Resident, int]], out: list[tuple[Request, Event]]
+    ) -> list[Launched]:
+        """Launch prefills of what was admitted: requests of one bucket and one prefill length
+        share a call where the slots take several (``prefill_many``), else one call each; a
+        shared call that raises is launched again one prompt at a time, so only the culprit
+        fails. ``prefill_merge`` and a bucket's measured ``prefill_costs`` say which prompts
+        share a call (``placement.prefill_calls``)."""
+        per_bucket: dict[Bucket, list[tuple[int, Request, int]]] = {}
+        for req, res, slot in admitted:
+            res.rows[slot] = req
+            length = prefill_positions(res, len(req.prompt))
+            per_bucket.setdefault(res.bucket, []).append((length, req, slot))
+        by_bucket = {r.bucket: r for r in self._resident}
+        calls = []
+        for bucket, admitted_here in per_bucket.items():
+            res = by_bucket[bucket]
+            shared = hasattr(res.slots, "launch_prefill") or hasattr(res.slots, "prefill_many")
+            size = int(getattr(res.slots, "prefill_batch", 1)) if shared else 1
+            cost = self.prefill_costs.get(bucket)
+            groups = prefill_calls(admitted_here, size, self.prefill_merge, cost)
+            fold = self._fold_choice(res, groups)
+            if fold is not None:  # launched with the bucket's step (_launch_step)
+                self._folds[bucket] = groups.pop(fold)
+            for computed, items in groups:
+                calls += self._launch_group(res, computed, items, out)
+            self.hooks.slots(bucket, len(res.rows))
+        return calls
+
+    def _launch_group(
+        self,
+        res: Resident,
+        computed: int,
+        items: list[tuple[int, Request, int]],
+        out: list[tuple[Request, Event]],
+    ) -> list[Launched]:
+        """One prefill call of ``items`` (each: its own prefill length, request, slot) at
+        ``computed`` positions; where a shared call raises at launch, one call a prompt."""
+        part = [(slot, req) for _, req, slot in items]
+        if len(part) > 1:
+            try:
+                return [self._launch_prefill(res, part, computed)]
+            except Exception as e:  # again one prompt a call: said once per cause
+                self._shared_failed(res.bucket, len(part), e)
+        calls = []
+        for own, req, slot in items:
+            try:
+                calls.append(self._launch_prefill(res, [(slot, req)], own))
+            except Exception as e:  # this request fails; the others go on
+                self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
+        return calls
+
+    def _fold_choice(self, res: Resident, groups: list[tuple[int, list[Any]]]) -> int | None:
+        """Which of a bucket's prefill calls rides in its step (``placement.fold_call``): one
+        where the slots have mixed calls and the bucket steps this iteration (rows running,
+        or another call's prompts joining), by the start-up costs (``auto``) or always."""
+        lengths = getattr(res.slots, "mixed_lengths", ())
+        if self.fold == "off" or not lengths or not hasattr(res.slots, "launch_mixed"):
+            return None
+        running = any(0 < r.launched < r.max_tokens for r in res.rows.values())
+        if not running and len(groups) < 2:
+            return None
+        costs = self.fold_costs.get(res.bucket)
+        saving = costs.fold_saving if costs is not None and costs.mixed else None
+        if self.fold == "auto" and saving is None:
+            return None
+        most = min(int(getattr(res.slots, "mixed_batch", 0)), self.max_prefills)
+        return fold_call(groups, lengths, most, saving)
+
+    def _shared_failed(self, bucket: Bucket, prompts: int, e: Exception, kind: str = "") -> None:
+        """Logged once per bucket and cause: a systematic failure would otherwise show only as
+        slower prefills (on cuda, calls of more prompts than were graphed did, to 2026-12-04)."""
+        cause = (bucket, type(e).__name__, str(e)[:200], kind)
+        if cause not in self._said:
+            self._said.add(cause)
+            if kind == "mixed":
+                msg = "a step with %d prompts in %s failed (%s: %s); apart (said once)"
+            else:
+                msg = "a prefill call of %d prompts in %s failed (%s: %s); one a call (said once)"
+            log.warning(msg, prompts, bucket.name, type(e).__name__, e)
+
+    def _launch_prefill(
+        self, res: Resident, rows: list[tuple[int, Request]], computed: int
+    ) -> Launched:
+        slots, reqs = [s for s, _ in rows], [r for _, r in rows]
+        prompts = [r.prompt for r in reqs]
+        sampling = sampling_args(reqs)
+        launch = getattr(res.slots, "launch_prefill", None) if self.overlap else None
+        with self._timed("prefill"):
+            if launch is not None:
+                pending = launch(slots, prompts, *sampling)
+            elif len(rows) > 1:
+                pending = Ready(res.slots.prefill_many(slots, prompts, *sampling))
+            else:
+                one = (sampling[0][0],) if sampling else ()
+                pending = Ready([res.slots.prefill(slots[0], prompts[0], *one)])
+        for r in reqs:
+            r.launched = 1
+        return Launched(res, rows, pending, computed, launch is not None, len(rows))
+
+    def _read_prefills(self, calls: list[Launched], out: list[tuple[Request, Event]]) -> None:
+        for call in calls:
+            self._read_call(call, out)
+
+    def _launch_step(self, res: Resident, out: list[tuple[Request, Event]]) -> list[Launched]:
+        """One step of the bucket's rows that still have tokens to launch (a row whose last
+        token is launched but not read waits for it; one that ended at a step not yet read
+        is stepped once more, and that token is dropped), with this iteration's folded
+        prefill call in it where there is one: a mixed call. A mixed call that raises at
+        launch runs again as its prefill and the step apart, so only a culprit fails."""
+        fold = self._folds.pop(res.bucket, None)
+        folded = {slot for _, _, slot in fold[1]} if fold else set()
+        rows = [
+            (s, r)
+            for s, r in sorted(res.rows.items())
+            if r.launched < r.max_tokens and s not in folded
+        ]
+        calls: list[Launched] = []
+        if fold is not None:
+            if rows:
+                try:
+                    return [self._launch_mixed(res, rows, *fold)]
+                except Exception as e:
+                    self._shared_failed(res.bucket, len(fold[1]), e, "mixed")
+            calls = self._launch_group(res, *fold, out)
+        if not rows:
+            return calls
+        slots = [s for s, _ in rows]
+        launch = getattr(res.slots, "launch", None) if self.overlap else None
+        try:
+            with self._timed("step"):
+                pending = launch(slots) if launch is not None else Ready(res.slots.step(slots))
+        except Exception as e:  # the rows of this step fail together: they shared it
+            self._step_failed(res, rows, e, out)
+            return calls
+        for _, r in rows:
+            r.launched += 1
+        return [*calls, Launched(res, rows, pending, deferred=launch is not None)]
+
+    def _launch_mixed(
+        self,
+        res: Resident,
+        rows: list[tuple[int, Request]],
+        computed: int,
+        items: list[tuple[int, Request, int]],
+    ) -> Launched:
+        reqs = [req for _, req, _ in items]
+        prompts = [(slot, req) for _, req, slot in items]
+        with self._timed("step"):
+            pending = res.slots.launch_mixed(
+                [s for s, _ in rows],
+                [slot for slot, _ in prompts],
+                [r.prompt for r in reqs],
+                *sampling_args(reqs),
+            )
+            if not self.overlap:
+                pending = Ready(pending.tokens())
+        for _, r in rows:
+            r.launched += 1
+        for r in reqs:
+            r.launched = 1
+        return Launched(res, [*rows, *prompts], pending, computed, self.overlap, len(prompts))
+
+    def _read_call(self, call: Launched, out: list[tuple[Request, Event]]) -> None:
+        """A call's tokens to its rows: first tokens to its prompts, next tokens to its
+        step's rows. A prefill that fails fails its requests; a step or mixed call that
+        fails fails every row it held (they shared it) and counts towards ``FAIL_AFTER``."""
+        res = call.res
+        try:
+            got = self._read(call, "prefill" if call.prefill else "step")
+        except Exception as e:
+            if not call.prefill:
+                self._step_failed(res, call.theirs(), e, out)
+                return
+            for slot, _ in call.theirs():  # their rows were computed
+                self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
+            return
+        firsts = {id(r) for _, r in call.rows[len(call.rows) - call.prompts :]}
+        stepped = 0
+        for slot, req, token in got:
+            if id(req) in firsts:
+                self.hooks.prefill(res.bucket, len(req.prompt), call.computed, not call.prefill)
+            else:
+                stepped += 1
+            self._deliver_token(res, slot, token, out)
+        if not call.prefill:
+            self._failures = 0
+            self.hooks.step(res.bucket, stepped)
+        self.hooks.slots(res.bucket, len(res.rows))
+
+    def _read(self, call: Launched, part: str) -> list[tuple[int, Request, int]]:
+        """The call's tokens (the host sync, timed as ``part``), as (slot, request, token)
+        for the rows still held by their request; raises what reading raised."""
+        with self._timed(part):
+            tokens = call.pending.tokens()
+        if len(tokens) != len(call.rows):
+            raise RuntimeError(f"{len(tokens)} tokens for {len(call.rows)} rows")
+        mine = {id(r) for _, r in call.theirs()}
+        return [(s, r, t) for (s, r), t in zip(call.rows, tokens, strict=True) if id(r) in mine]
+
+
+def prefill_positions(res: Resident, n: int) -> int:
+    """Positions a prefill of n tokens computes in this bucket: the prefill length the slots
+    say they use (cpu/cuda: the shortest prefill graph that holds n), else the bucket's."""
+    positions = getattr(res.slots, "prefill_positions", None)
+    return int(positions(n)) if positions is not None else res.bucket.seq

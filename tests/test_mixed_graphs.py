@@ -1,0 +1,219 @@
+"""Mixed graphs (graph ABI 5): a decode step and prompts prefilled into free rows in one call.
+
+Eagerly the mixed decoder is its step and its prefill apart, exactly; compiled on cpu
+(fp32) and driven through ``SessionSlots.launch_mixed``, eager and recorded as a CUDA graph
+would be (``ReplayRecorder``), every row's tokens are its prompt's generated alone. Which
+lengths get a mixed graph is the grid's choice or the backend's default, part of the graph
+key, shown by ``plan`` and refused in one line when it names no prefill length.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.compile import decoder as dec
+from pipeline.contracts.bucket import Bucket
+from pipeline.contracts.graph_abi import GraphSpec
+from pipeline.errors import ConfigError
+from pipeline.plan.config import load_config
+from pipeline.runtime.decode_session import DecodeSession
+from pipeline.runtime.graph_loading import BucketGraphs, new_cache
+from pipeline.runtime.sampling import SamplingParams
+from pipeline.runtime.session_slots import SessionSlots
+from tests.test_cuda_graphs import ReplayRecorder
+
+GRID = """
+model: {name: tiny-llama, checkpoint: "{ckpt}", dtype: float32}
+target: {backend: cpu, instance_type: inf2.24xlarge, tp_degree: 4}
+buckets: {batch_sizes: [1, 3], sequence_lengths: [64], prefill_lengths: [32], MIXED}
+compiler: {auto_cast_type: fp32}
+store: store
+"""
+
+
+@pytest.fixture(scope="module")
+def buckets(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """b1_s64 and b3_s64 compiled on cpu, b3 with mixed graphs at 32 and 64."""
+    from pipeline.compile.scheduler import compile_release
+
+    root = tmp_path_factory.mktemp("mixed")
+    config = root / "release.yaml"
+    text = GRID.replace("{ckpt}", str(tiny_checkpoint)).replace("MIXED", "mixed_lengths: [32, 64]")
+    config.write_text(text)
+    report = compile_release(load_config(config), jobs=2, workdir=root / "work")
+    assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
+    return root / "work" / "buckets"
+
+
+def test_a_mixed_call_is_its_step_and_its_prefill_apart(tiny_checkpoint):
+    """Eagerly, exactly: the step's rows, each prompt's logits and every cache entry a later
+    step reads; a free row whose held position lies inside its new prompt is overwritten by
+    the prompt (the step's writes come first)."""
+    prefill = dec.from_checkpoint(tiny_checkpoint, dec.Prefill)
+    decode = dec.from_checkpoint(tiny_checkpoint, dec.Decode)
+    mixed = dec.from_checkpoint(tiny_checkpoint, dec.Mixed)
+    spec = GraphSpec(4, 64, 2, 4, 8, 512, "float32", "cpu")
+    apart = new_cache(spec)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        running = torch.randint(3, 500, (2, 16), generator=g)
+        _, first = prefill(running, torch.tensor([10, 16]), torch.tensor([0, 1]), *apart)
+        together = tuple(c.clone() for c in apart)
+        tokens = torch.zeros((4, 1), dtype=torch.long)
+        tokens[:2, 0] = first
+        positions = torch.tensor([10, 16, 30, 5])  # rows 2 and 3 free, at held positions
+        prompts = torch.randint(3, 500, (2, 16), generator=g)
+        lengths, slots = torch.tensor([12, 7]), torch.tensor([3, 2])
+        keys = torch.arange(32)
+        step_logits, step_next = decode(tokens, positions, *apart, keys)
+        prompt_logits, prompt_next = prefill(prompts, lengths, slots, *apart)
+        logits, nxt = mixed(tokens, positions, prompts, lengths, slots, *together, keys)
+    assert torch.equal(nxt, torch.cat((step_next, prompt_next)))
+    torch.testing.assert_close(logits[:2], step_logits[:2], rtol=0, atol=0)
+    torch.testing.assert_close(logits[4:], prompt_logits, rtol=0, atol=0)
+    for a, b in zip(apart, together, strict=True):
+        assert torch.equal(a[:, :, :2], b[:, :, :2])  # the step's rows
+        assert torch.equal(a[:, :12, 3], b[:, :12, 3]) and torch.equal(a[:, :7, 2], b[:, :7, 2])
+
+
+def test_the_compiled_bucket_describes_its_mixed_graphs(buckets):
+    spec = GraphSpec.read(buckets / "b3_s64")
+    assert spec.abi == 5 and spec.mixed_lengths == (32, 64) and spec.mixed_batch == 2
+    assert (buckets / "b3_s64" / "mixed_32.pt2").is_file()
+    one = GraphSpec.read(buckets / "b1_s64")  # one row: nothing to prefill beside its step
+    assert one.mixed_lengths == () and one.mixed_batch == 0
+    assert not list((buckets / "b1_s64").glob("mixed_*"))
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_mixed_calls_answer_as_each_prompt_alone(buckets, recorded):
+    """Rows joining through mixed calls of one and two prompts, at both mixed lengths, beside
+    a row stepping and a row held; recorded, every mixed call replays a graph of its own
+    (tier, prompts, length)."""
+    graphs = BucketGraphs(buckets / "b3_s64", single_threaded=True)
+    alone = DecodeSession(BucketGraphs(buckets / "b1_s64", weights=graphs.weights))
+    session = DecodeSession(graphs, recorder=ReplayRecorder() if recorded else None)
+    slots = SessionSlots(session)
+    if recorded:
+        assert session.mixed_graphs == [
+            (64, p, t) for p in (1, 2) for t in (32, 64)
+        ]  # one tier: the bucket is 64 long
+    assert slots.mixed_lengths == (32, 64) and slots.mixed_batch == 2
+    a, b, c, d = [5, 17, 42], list(range(3, 43)), [300, 2, 9, 9], [7] * 30
+    got: dict[int, list[int]] = {0: [slots.prefill(0, a)], 1: [], 2: []}
+    for _ in range(3):
+        got[0] += slots.step([0])
+    # two prompts (b needs the 64 graph, c rides at 64 too) beside row 0's step
+    t = slots.launch_mixed([0], [2, 1], [b, c]).tokens()
+    got[0].append(t[0])
+    got[2].append(t[1])
+    got[1].append(t[2])
+    for _ in range(3):
+        for s, tok in zip((0, 1, 2), slots.step([0, 1, 2]), strict=True):
+            got[s].append(tok)
+    want = {s: alone.generate([p], len(got[s]), None)[0] for s, p in ((0, a), (1, c), (2, b))}
+    assert got == want
+    slots.free(2)
+    # one prompt at 32 beside row 1 stepping while row 0 is held
+    t = slots.launch_mixed([1], [2], [d]).tokens()
+    got[1].append(t[0])
+    new = [t[1]]
+    for _ in range(2):
+        row = slots.step([0, 1, 2])
+        got[0].append(row[0])
+        got[1].append(row[1])
+        new.append(row[2])
+    assert got[0] == alone.generate([a], len(got[0]), None)[0]
+    assert got[1] == alone.generate([c], len(got[1]), None)[0]
+    assert new == alone.generate([d], 3, None)[0]
+
+
+def test_sampled_rows_draw_in_a_mixed_call_what_they_draw_apart(buckets):
+    """A request's tokens depend on its seed, not on how its calls were shared: a sampled
+    prompt folded into a step with a sampled row draws what it draws prefilled apart."""
+    graphs = BucketGraphs(buckets / "b3_s64", single_threaded=True)
+    hot = SamplingParams(temperature=1.2, top_k=30, seed=4)
+    warm = SamplingParams(temperature=0.7, seed=8)
+
+    def run(fold: bool) -> list[list[int]]:
+        slots = SessionSlots(DecodeSession(graphs))
+        got = [[slots.prefill(0, [4, 8, 15], hot)], []]
+        for _ in range(2):
+            got[0] += slots.step([0])
+        if fold:
+            t = slots.launch_mixed([0], [1], [[16, 23, 42]], [warm]).tokens()
+            got[0].append(t[0])
+            got[1].append(t[1])
+        else:
+            got[1].append(slots.prefill(1, [16, 23, 42], warm))
+            got[0] += slots.step([0])
+        for _ in range(4):
+            for row, tok in enumerate(slots.step([0, 1])):
+                got[row].append(tok)
+        return got
+
+    assert run(fold=True) == run(fold=False)
+
+
+def test_launch_mixed_refuses_what_its_graphs_cannot_take(buckets):
+    slots = SessionSlots(DecodeSession(BucketGraphs(buckets / "b3_s64", single_threaded=True)))
+    slots.prefill(0, [1, 2, 3])
+    with pytest.raises(ValueError, match="in use"):
+        slots.launch_mixed([0], [0], [[4, 5]])
+    slots.prefill(1, [1, 2])
+    with pytest.raises(ValueError, match=r"1\.\.2 prompts"):
+        slots.launch_mixed([0], [2, 1, 0], [[4]] * 3)
+    with pytest.raises(ValueError, match="not in use"):
+        slots.launch_mixed([2], [2], [[4]])
+    # the calls refused changed nothing: both rows still answer as alone
+    assert len(slots.step([0, 1])) == 2
+
+
+def test_the_demo_grid_s_mixed_graphs_take_only_their_own_length(compiled_store):
+    config, _ = compiled_store
+    bucket = config.parent / "work" / "buckets" / "b2_s64"
+    slots = SessionSlots(DecodeSession(BucketGraphs(bucket, single_threaded=True)))
+    assert slots.mixed_lengths == (32,) and slots.mixed_batch == 1
+    slots.prefill(0, [1, 2, 3])
+    with pytest.raises(ValueError, match=r"of 64 positions: .* \[32\] positions"):
+        slots.launch_mixed([0], [1], [list(range(3, 43))])  # 40 tokens: the 64 graph
+
+
+def test_mixed_lengths_come_from_the_grid_or_the_backend_and_go_into_the_key(write_config):
+    from pipeline.compile import keys
+    from pipeline.compile.backends.aoti import CpuBackend, CudaBackend
+
+    b8, b1 = Bucket(8, 2048), Bucket(1, 2048)
+    prefill = (256, 1024, 2048)
+    assert CudaBackend().mixed_lengths(b8, prefill, None) == (256,)  # up to 256 by default
+    assert CpuBackend().mixed_lengths(b8, prefill, None) == ()
+    assert CudaBackend().mixed_lengths(b8, prefill, (1024,)) == (1024,)
+    assert CudaBackend().mixed_lengths(b8, prefill, ()) == ()
+    assert CudaBackend().mixed_lengths(b1, prefill, None) == ()  # one row: none
+    plain = load_config(write_config(GRID.replace(", MIXED", "")))
+    mixed = load_config(write_config(GRID.replace("MIXED", "mixed_lengths: [32]"), "m.yaml"))
+    b3 = Bucket(3, 64)
+    assert "mixed_lengths" not in keys.key_material(plain, b3, "cpu")
+    assert keys.key_material(mixed, b3, "cpu")["mixed_lengths"] == [32]
+    assert keys.bucket_cache_key(plain, b3, "cpu") != keys.bucket_cache_key(mixed, b3, "cpu")
+    # one row: no mixed graph, so the key is the plain one
+    b1 = Bucket(1, 64)
+    assert keys.bucket_cache_key(plain, b1, "cpu") == keys.bucket_cache_key(mixed, b1, "cpu")
+
+
+def test_a_mixed_length_that_is_no_prefill_length_is_one_line(write_config):
+    config = write_config(GRID.replace("MIXED", "mixed_lengths: [48]"))
+    with pytest.raises(ConfigError, match=r"buckets.mixed_lengths.*\[48\] are not prefill"):
+        load_config(config)
+
+
+def test_plan_shows_each_bucket_s_mixed_lengths(write_config):
+    from pipeline.plan.report import plan_release
+
+    cuda = GRID.replace("backend: cpu", "backend: cuda").replace(", MIXED", "")
+    plan = plan_release(load_config(write_config(cuda)))
+    got = {b["name"]: b["mixed_lengths"] for b in plan.to_dict()["buckets"]}
+    assert got == {"b1_s64": [], "b3_s64": [32, 64]}  # cuda's default: up to 256

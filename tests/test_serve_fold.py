@@ -1,0 +1,280 @@
+"""``serve --fold-prompts``: a prefill call that rides in its bucket's step (a mixed call).
+
+The choice (``placement.fold_call``) is a pure function; the engine's side runs on the fake
+slots of ``test_serve_engine`` with a ``launch_mixed`` added (the fake's answers depend only
+on each row's own tokens, so every answer is compared with its prompt generated alone);
+the start-up measurement on a fake clock. The real mixed graphs on cpu are in
+``test_mixed_graphs``, the real server's answers in ``test_serve_process``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from pipeline.contracts.bucket import Bucket
+from pipeline.runtime.pending import Ready
+from pipeline.server.jobs import Failed, Finished
+from pipeline.server.metrics import Metrics
+from pipeline.server.placement import fold_call
+from pipeline.server.prefill_costs import PrefillCosts, measure
+from tests.test_serve_engine import (
+    FakePending,
+    LaunchingModel,
+    LaunchingSlots,
+    alone,
+    request,
+    serve,
+)
+
+# --- the choice ------------------------------------------------------------------------------
+
+
+def test_fold_call_takes_the_call_that_saves_most_and_only_what_a_mixed_graph_holds():
+    calls = [(32, "abc"), (64, "de"), (16, "f")]
+    saving = {(3, 32): 0.5, (2, 64): 0.9, (1, 16): 2.0}
+    assert fold_call(calls, (32, 64), 4, lambda p, t: saving[p, t]) == 1
+    assert fold_call(calls, (32,), 4, lambda p, t: saving[p, t]) == 0  # 64 has no graph
+    assert fold_call(calls, (32, 64), 2, lambda p, t: saving[p, t]) == 1  # 3 prompts: too many
+    assert fold_call(calls, (32, 64), 1, lambda p, t: saving[p, t]) is None
+    # nothing saves (a mixed call dearer than the call and the step apart): no fold
+    assert fold_call(calls, (32, 64), 4, lambda p, t: -0.1) is None
+    assert fold_call(calls, (32, 64), 4, lambda p, t: None) is None  # not measured
+    # always (no measure): the call of most prompts
+    assert fold_call(calls, (32, 64, 16), 4, None) == 0
+    assert fold_call([], (32,), 4, None) is None
+
+
+def test_the_fold_saving_is_the_call_and_the_step_apart_less_the_mixed_call():
+    costs = PrefillCosts({(1, 32): 1.0, (2, 32): 1.2}, step=0.9, mixed={(1, 32): 1.1, (2, 32): 1.5})
+    assert costs.fold_saving(1, 32) == pytest.approx(0.8)
+    assert costs.fold_saving(2, 32) == pytest.approx(0.6)
+    assert costs.fold_saving(1, 64) is None
+    assert "a step 900.00ms; mixed 32: 1×1100.00ms 2×1500.00ms" in costs.describe()
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+
+class MixingSlots(LaunchingSlots):
+    """Launching slots with mixed calls of up to ``mixed_batch`` prompts at
+    ``mixed_lengths``, logged as ("mixed", bucket, step slots, prompt slots); the prompts
+    fill their slots after the step, as on the device. ``failing_mixed``: raise at launch."""
+
+    mixed_lengths = (16,)
+    mixed_batch = 2
+    prefill_batch = 2
+    failing_mixed = False
+
+    def launch_mixed(
+        self,
+        slots: Sequence[int],
+        prompt_slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Any = None,
+    ) -> FakePending:
+        if not 1 <= len(prompts) <= self.mixed_batch or any(len(p) > 16 for p in prompts):
+            raise ValueError(f"{len(prompts)} prompts in a mixed call")
+        if set(prompt_slots) & set(self.rows) or set(prompt_slots) & set(slots):
+            raise ValueError("a prompt into a slot in use")
+        if self.failing_mixed:
+            raise RuntimeError("the mixed call broke")
+        step = self.step(slots)
+        self.model.log.append(("mixed", self.bucket.name, tuple(slots), tuple(prompt_slots)))
+        first = [self.prefill(s, p) for s, p in zip(prompt_slots, prompts, strict=True)]
+        name = f"{self.bucket.name} mixed {self.step_calls}"
+        return FakePending(self.model, name, [*step, *first], name in self.model.failing_reads)
+
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        self.model.log.append(("prefill_many", self.bucket.name, tuple(slots)))
+        return [self.prefill(s, p) for s, p in zip(slots, prompts, strict=True)]
+
+
+class MixingModel(LaunchingModel):
+    def slots(self, bucket: Bucket) -> MixingSlots:
+        if bucket not in self._slots:
+            self._slots[bucket] = MixingSlots(self, bucket)
+        return self._slots[bucket]  # type: ignore[return-value]
+
+
+B = Bucket(4, 64)
+
+
+def mixed_calls(m: MixingModel) -> list[tuple]:
+    return [e[2:] for e in m.log if e[0] == "mixed"]
+
+
+def staggered(m: MixingModel, rs: list, later: list, **options: Any) -> list:
+    """``rs`` admitted at once; ``later`` submitted while the model thread is held in the
+    second step (their bucket running). Every answer and how it ended."""
+    gate = m.hold_step(2)
+
+    async def body(h):
+        for r in rs:
+            h.engine.submit(r)
+        h.start()
+        await h.reached(gate)
+        for r in later:
+            h.engine.submit(r)
+        gate.open()
+        return [await h.result(r) for r in [*rs, *later]]
+
+    return serve(body, [B], m, start=False, **options)
+
+
+def test_a_prompt_admitted_into_a_running_bucket_rides_in_its_step_and_answers_alone():
+    m = MixingModel(prefill_lengths={B: (16,)})
+    first = request(range(10, 14), 12)
+    joins = [request([30 + i, 5], 6) for i in range(2)]  # prefill length 16: a mixed graph's
+    out = staggered(m, [first], joins, fold="always")
+    for r, (tokens, end) in zip([first, *joins], out, strict=True):
+        assert tokens == alone(r.prompt, r.max_tokens) and end == Finished("length")
+    mixed = mixed_calls(m)
+    assert mixed and mixed[0][0] == (0,)  # the running row stepped, the prompts beside it
+    assert sorted(s for call in mixed for s in call[1]) == [1, 2]
+    prefilled_apart = [e for e in m.log if e[0] == "launch" and "prefill" in e[1]]
+    assert len(prefilled_apart) == 1  # only the first request, into an idle bucket
+
+
+def test_off_or_without_a_mixed_graph_for_the_length_prompts_prefill_apart():
+    m = MixingModel(prefill_lengths={B: (16,)})
+    first, join = request(range(10, 14), 10), request([30, 5], 6)
+    staggered(m, [first], [join], fold="off")
+    assert not mixed_calls(m)
+    m = MixingModel(prefill_lengths={B: (16,)})
+    first = request(range(10, 14), 10)
+    long = request(range(40, 60), 6)  # 20 tokens: prefill length 64, no mixed graph
+    out = staggered(m, [first], [long], fold="always")
+    assert not mixed_calls(m) and out[1][0] == alone(long.prompt, 6)
+
+
+def test_auto_folds_where_the_measured_mixed_call_is_cheaper():
+    cheap = PrefillCosts({(1, 16): 1.0, (2, 16): 1.1}, step=1.0, mixed={(1, 16): 1.2, (2, 16): 1.3})
+    dear = PrefillCosts({(1, 16): 1.0, (2, 16): 1.1}, step=1.0, mixed={(1, 16): 2.5, (2, 16): 2.6})
+    for costs, folds in ((cheap, True), (dear, False), (None, False)):
+        m = MixingModel(prefill_lengths={B: (16,)})
+        first, join = request(range(10, 14), 10), request([30, 5], 6)
+        options = {"fold_costs": {B: costs}} if costs else {}
+        out = staggered(m, [first], [join], fold="auto", **options)
+        assert bool(mixed_calls(m)) is folds
+        assert out[1][0] == alone(join.prompt, 6)
+
+
+def test_prompts_of_one_iteration_fold_into_a_step_of_an_idle_bucket_beside_another_call():
+    """Nothing running, two calls admitted together: one prefills, its row steps, and the
+    other rides in that step."""
+    m = MixingModel(prefill_lengths={B: (16,)})
+    rs = [request(range(40, 60), 5), request([7, 8], 5)]  # prefill lengths 64 and 16
+    out = staggered(m, rs, [], fold="always")
+    for r, (tokens, _) in zip(rs, out, strict=True):
+        assert tokens == alone(r.prompt, 5)
+    assert mixed_calls(m)[0] == ((0,), (1,))
+
+
+def test_a_mixed_call_that_raises_at_launch_runs_as_its_prefill_and_the_step_apart(caplog):
+    m = MixingModel(prefill_lengths={B: (16,)})
+    m.slots(B).failing_mixed = True
+    first, join = request(range(10, 14), 8), request([30, 5], 6)
+    out = staggered(m, [first], [join], fold="always")
+    for r, (tokens, end) in zip([first, join], out, strict=True):
+        assert tokens == alone(r.prompt, r.max_tokens) and end == Finished("length")
+    assert sum("a step with 1 prompts" in r.message for r in caplog.records) == 1
+
+
+def test_a_mixed_call_whose_tokens_cannot_be_read_fails_the_rows_it_held_only():
+    m = MixingModel(prefill_lengths={B: (16,)})
+    first, join = request(range(10, 14), 30), request([30, 5], 6)
+    m.failing_reads.add(f"{B.name} mixed 3")  # steps 1 and 2 before the join: it rides in 3
+    after = request([50, 5], 4)
+
+    gate = m.hold_step(2)
+
+    async def body(h):
+        h.engine.submit(first)
+        h.start()
+        await h.reached(gate)
+        h.engine.submit(join)
+        gate.open()
+        got = [await h.result(first), await h.result(join)]
+        h.engine.submit(after)  # the server lives on
+        return [*got, await h.result(after)]
+
+    out = serve(body, [B], m, start=False, fold="always")
+    assert isinstance(out[0][1], Failed) and isinstance(out[1][1], Failed)
+    assert "the device failed" in out[1][1].message
+    assert out[2] == (alone(after.prompt, 4), Finished("length"))
+
+
+def test_folded_prefills_are_counted_apart_and_with_every_prefill():
+    m = MixingModel(prefill_lengths={B: (16,)})
+    metrics = Metrics()
+    first = request(range(10, 14), 12)
+    joins = [request([30 + i, 5], 4) for i in range(2)]
+    staggered(m, [first], joins, fold="always", hooks=metrics)
+    folded = sum(len(c[1]) for c in mixed_calls(m))
+    sample = metrics.registry.get_sample_value
+    assert sample("inf2_serve_prefills_folded_total", {"bucket": B.name}) == folded >= 1
+    assert sample("inf2_serve_prefills_total", {"bucket": B.name}) == 3
+    steps = sample("inf2_serve_steps_total", {"bucket": B.name})
+    assert steps == len([e for e in m.log if e[0] == "step"])
+
+
+# --- the start-up measurement ----------------------------------------------------------------
+
+
+class ClockedSlots:
+    """Slots whose calls advance a fake clock: a step 1 ms, a prefill 1 ms + 10 µs a
+    position, a mixed call the step + 20 µs a prompt position; rows must be freed before
+    they are filled again."""
+
+    batch, seq, prefill_batch, prefill_lengths = 4, 16, 4, (8, 16)
+    mixed_lengths, mixed_batch = (8,), 3
+
+    def __init__(self) -> None:
+        self.now, self.used = 0.0, set()
+        self.mixed: list[tuple[int, int]] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def _fill(self, slots: Sequence[int]) -> None:
+        assert not self.used & set(slots), "a row filled twice without a free"
+        self.used |= set(slots)
+
+    def prefill(self, slot: int, prompt: Sequence[int]) -> int:
+        return self.prefill_many([slot], [prompt])[0]
+
+    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
+        self._fill(slots)
+        self.now += 1e-3 + 1e-5 * len(slots) * len(prompts[0])
+        return [0] * len(slots)
+
+    def step(self, slots: Sequence[int]) -> list[int]:
+        assert set(slots) <= self.used
+        self.now += 1e-3
+        return [0] * len(slots)
+
+    def launch_mixed(self, slots, prompt_slots, prompts) -> Any:
+        assert set(slots) <= self.used and 0 not in prompt_slots
+        self._fill(prompt_slots)
+        self.mixed.append((len(prompts), len(prompts[0])))
+        self.now += 1e-3 + 2e-5 * len(prompts) * len(prompts[0])
+        return Ready([0] * (len(slots) + len(prompts)))
+
+    def free(self, slot: int) -> None:
+        self.used.discard(slot)
+
+
+def test_measure_times_a_step_and_each_mixed_call_and_frees_every_row():
+    slots = ClockedSlots()
+    costs = measure(slots, reps=3, clock=slots.clock)
+    assert costs is not None and not slots.used
+    assert costs.step == pytest.approx(1e-3)
+    assert sorted(costs.mixed) == [(1, 8), (2, 8), (3, 8)]
+    assert costs.mixed[2, 8] == pytest.approx(1e-3 + 2 * 8 * 2e-5)
+    assert costs.fold_saving(2, 8) == pytest.approx(costs(2, 8) + 1e-3 - costs.mixed[2, 8])
+    # limited to the largest call the engine makes
+    few = measure(ClockedSlots(), clock=slots.clock, limit=1)
+    assert few is not None and sorted(few.mixed) == [(1, 8)]
