@@ -5,7 +5,8 @@
 # bench/prepare_device_bench.sh; then call, carrying .devrun and peers, until it says done:
 #   bash bench/device_round.sh            (BUDGET=seconds per call, default 575;
 #   WAYS2048, WAYS256: bench_serve's --ways for the two replays; ARGS2048, ARGS256: more
-#   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'";
+#   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'"
+#   (default: the nofold variant, serve --fold-prompts off);
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
 #   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
@@ -20,7 +21,10 @@ D=work/bench-cuda/models/bench-llama-3.2-1b-decode
 L=work/bench-cuda/models/bench-llama-3.2-1b-prefill
 PEER=(--peer peers/hf-continuous-batching/peer_serve.py --trace peers/AzureLLMInferenceTrace_conv.csv)
 [ -n "${NO_PEER:-}" ] && PEER=()  # NO_PEER=1: the serve256 stage without the peer
-eval "more2048=(${ARGS2048:-})"; eval "more256=(${ARGS256:-})"
+# by default both replays also run serve without prompts folded into steps (the mixed
+# graphs' comparison in the same run); ARGS2048='' or ARGS256='' leaves it out
+NOFOLD="--variant 'nofold=--fold-prompts off'"
+eval "more2048=(${ARGS2048-$NOFOLD})"; eval "more256=(${ARGS256-$NOFOLD})"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 stage() {  # name, least seconds it needs, command...: false when this call is out of time
   local name=$1 min=$2; shift 2

@@ -21,6 +21,7 @@ from pipeline.server.metrics import Metrics
 from pipeline.server.placement import fold_call
 from pipeline.server.prefill_costs import PrefillCosts, measure
 from tests.test_serve_engine import (
+    BatchedSlots,
     FakePending,
     LaunchingModel,
     LaunchingSlots,
@@ -58,7 +59,7 @@ def test_the_fold_saving_is_the_call_and_the_step_apart_less_the_mixed_call():
 # --- the engine ----------------------------------------------------------------------------------
 
 
-class MixingSlots(LaunchingSlots):
+class MixingSlots(LaunchingSlots, BatchedSlots):
     """Launching slots with mixed calls of up to ``mixed_batch`` prompts at
     ``mixed_lengths``, logged as ("mixed", bucket, step slots, prompt slots); the prompts
     fill their slots after the step, as on the device. ``failing_mixed``: raise at launch."""
@@ -86,10 +87,6 @@ class MixingSlots(LaunchingSlots):
         first = [self.prefill(s, p) for s, p in zip(prompt_slots, prompts, strict=True)]
         name = f"{self.bucket.name} mixed {self.step_calls}"
         return FakePending(self.model, name, [*step, *first], name in self.model.failing_reads)
-
-    def prefill_many(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> list[int]:
-        self.model.log.append(("prefill_many", self.bucket.name, tuple(slots)))
-        return [self.prefill(s, p) for s, p in zip(slots, prompts, strict=True)]
 
 
 class MixingModel(LaunchingModel):
@@ -160,6 +157,13 @@ def test_auto_folds_where_the_measured_mixed_call_is_cheaper():
         out = staggered(m, [first], [join], fold="auto", **options)
         assert bool(mixed_calls(m)) is folds
         assert out[1][0] == alone(join.prompt, 6)
+
+
+def test_the_batch_at_a_time_baseline_never_folds():
+    m = MixingModel(prefill_lengths={B: (16,)})
+    rs = [request(range(40, 60), 5), request([7, 8], 5)]  # two calls: one could ride
+    staggered(m, rs, [], fold="always", batching="static")
+    assert not mixed_calls(m)
 
 
 def test_prompts_of_one_iteration_fold_into_a_step_of_an_idle_bucket_beside_another_call():

@@ -44,25 +44,23 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from pipeline.contracts.bucket import Bucket
+from pipeline.server.engine_calls import FAIL_AFTER as FAIL_AFTER
 from pipeline.server.engine_calls import Calls, Launched, Resident
 from pipeline.server.jobs import Closed as Closed
 from pipeline.server.jobs import EngineFailed as EngineFailed
 from pipeline.server.jobs import (
     Event,
     Failed,
-    Finished,
     Hooks,
     NoHooks,
     QueueFull,
     Request,
-    Tokens,
     put_events,
 )
 from pipeline.server.placement import BucketSlots, place
 
 log = logging.getLogger("inf2_pipeline.serve")
 
-FAIL_AFTER = 3  # steps failed in a row (any bucket) after which the device is taken as lost
 IDLE_REPORT_S = 0.25  # an idle engine counts its wait as it passes, not when work comes
 
 
@@ -244,14 +242,6 @@ class Engine(Calls):
             if self._broken:
                 raise EngineFailed(self._broken)
 
-    @contextlib.contextmanager
-    def _timed(self, part: str) -> Any:
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._calls[part] += time.perf_counter() - t
-
     def _running(self) -> bool:
         return any(r.rows for r in self._resident)
 
@@ -286,54 +276,6 @@ class Engine(Calls):
         if out:
             self.hooks.queue_depth(len(self._queue))
         return out
-
-    def _step_failed(
-        self,
-        res: Resident,
-        rows: list[tuple[int, Request]],
-        e: Exception,
-        out: list[tuple[Request, Event]],
-    ) -> None:
-        message = f"{type(e).__name__}: {e}"
-        for slot, req in rows:
-            if res.rows.get(slot) is req:
-                self._retire(res, slot, out, Failed(message))
-        self._failed(res.bucket, message)
-
-    def _deliver_token(
-        self, res: Resident, slot: int, token: int, out: list[tuple[Request, Event]]
-    ) -> None:
-        req = res.rows[slot]
-        now = time.monotonic()
-        req.produced += 1
-        self.hooks.token(req, now)
-        req.last_token = now
-        out.append((req, Tokens([int(token)])))
-        if token in self._eos:
-            self._retire(res, slot, out, Finished("stop"))
-        elif req.produced >= req.max_tokens:
-            self._retire(res, slot, out, Finished("length"))
-
-    def _retire(
-        self, res: Resident, slot: int, out: list[tuple[Request, Event]], event: Event | None
-    ) -> None:
-        """The row is done: its event goes out whatever ``free`` does (a free that fails
-        leaves the slot with the engine's bookkeeping, never the request hanging)."""
-        req = res.rows.pop(slot)
-        if event is not None:
-            out.append((req, event))
-        try:
-            res.slots.free(slot)
-        except Exception as e:
-            log.warning("freeing slot %d of %s: %s: %s", slot, res.bucket.name, type(e).__name__, e)
-        self.hooks.slots(res.bucket, len(res.rows))
-
-    def _failed(self, bucket: Bucket, message: str) -> None:
-        """A step failed: after ``FAIL_AFTER`` in a row the device is taken as lost, and the
-        loop stops at the end of this iteration."""
-        self._failures += 1
-        if self._failures >= FAIL_AFTER:
-            self._broken = f"{self._failures} steps failed in a row ({bucket.name}: {message})"
 
     def _fail_everything(self, message: str) -> None:
         """Every request running or queued gets ``Failed`` (after the events this iteration

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.contracts.bucket import Bucket
 from pipeline.runtime.pending import Pending, Ready
-from pipeline.server.jobs import Event, Failed, Request, sampling_args
+from pipeline.server.jobs import Event, Failed, Finished, Request, Tokens, sampling_args
 from pipeline.server.placement import fold_call, prefill_calls
 
 log = logging.getLogger("inf2_pipeline.serve")
+
+FAIL_AFTER = 3  # steps failed in a row (any bucket) after which the device is taken as lost
 
 
 @dataclass
@@ -62,11 +65,12 @@ class Launched:
 
 
 class Calls:
-    """The launching and reading half of ``Engine``, which provides what is declared here
-    (its options, its per-iteration state) and the row bookkeeping it calls back into."""
+    """The launching and reading half of ``Engine``, and what it does with a row's tokens and
+    failures; ``Engine`` (the loop around it) sets what is declared here."""
 
     hooks: Any
     overlap: bool
+    batching: str
     max_prefills: int
     prefill_merge: int
     prefill_costs: dict[Bucket, Any]
@@ -75,15 +79,18 @@ class Calls:
     _resident: list[Resident]
     _folds: dict[Bucket, tuple[int, list[tuple[int, Request, int]]]]
     _said: set[tuple[Any, ...]]
-    _failures: int
+    _failures: int  # steps failed in a row
+    _broken: str  # why the loop must stop (set by _failed)
+    _eos: frozenset[int]
+    _calls: dict[str, float]  # this iteration's seconds inside the runner's calls, by part
 
-    def _timed(self, part: str) -> contextlib.AbstractContextManager[Any]:
-        raise NotImplementedError
-
-    def _retire(
-        self, res: Resident, slot: int, out: list[tuple[Request, Event]], event: Event | None
-    ) -> None:
-        raise NotImplementedError
+    @contextlib.contextmanager
+    def _timed(self, part: str) -> Any:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._calls[part] += time.perf_counter() - t
 
     def _step_failed(
         self,
@@ -92,12 +99,46 @@ class Calls:
         e: Exception,
         out: list[tuple[Request, Event]],
     ) -> None:
-        raise NotImplementedError
+        message = f"{type(e).__name__}: {e}"
+        for slot, req in rows:
+            if res.rows.get(slot) is req:
+                self._retire(res, slot, out, Failed(message))
+        self._failed(res.bucket, message)
 
     def _deliver_token(
         self, res: Resident, slot: int, token: int, out: list[tuple[Request, Event]]
     ) -> None:
-        raise NotImplementedError
+        req = res.rows[slot]
+        now = time.monotonic()
+        req.produced += 1
+        self.hooks.token(req, now)
+        req.last_token = now
+        out.append((req, Tokens([int(token)])))
+        if token in self._eos:
+            self._retire(res, slot, out, Finished("stop"))
+        elif req.produced >= req.max_tokens:
+            self._retire(res, slot, out, Finished("length"))
+
+    def _retire(
+        self, res: Resident, slot: int, out: list[tuple[Request, Event]], event: Event | None
+    ) -> None:
+        """The row is done: its event goes out whatever ``free`` does (a free that fails
+        leaves the slot with the engine's bookkeeping, never the request hanging)."""
+        req = res.rows.pop(slot)
+        if event is not None:
+            out.append((req, event))
+        try:
+            res.slots.free(slot)
+        except Exception as e:
+            log.warning("freeing slot %d of %s: %s: %s", slot, res.bucket.name, type(e).__name__, e)
+        self.hooks.slots(res.bucket, len(res.rows))
+
+    def _failed(self, bucket: Bucket, message: str) -> None:
+        """A step failed: after ``FAIL_AFTER`` in a row the device is taken as lost, and the
+        loop stops at the end of this iteration."""
+        self._failures += 1
+        if self._failures >= FAIL_AFTER:
+            self._broken = f"{self._failures} steps failed in a row ({bucket.name}: {message})"
 
     def _launch_prefills(
         self, admitted: list[tuple[Request, Resident, int]], out: list[tuple[Request, Event]]
@@ -157,6 +198,8 @@ class Calls:
         or another call's prompts joining), by the start-up costs (``auto``) or always."""
         lengths = getattr(res.slots, "mixed_lengths", ())
         if self.fold == "off" or not lengths or not hasattr(res.slots, "launch_mixed"):
+            return None
+        if self.batching == "static":  # the batch-at-a-time baseline stays what it was
             return None
         running = any(0 < r.launched < r.max_tokens for r in res.rows.values())
         if not running and len(groups) < 2:
