@@ -147,6 +147,14 @@ def test_off_or_without_a_mixed_graph_for_the_length_prompts_prefill_apart():
     assert not mixed_calls(m) and out[1][0] == alone(long.prompt, 6)
 
 
+def test_always_folds_whatever_the_timings_say():
+    dear = PrefillCosts({(1, 16): 1.0}, step=1.0, mixed={(1, 16): 2.5})
+    m = MixingModel(prefill_lengths={B: (16,)})
+    first, join = request(range(10, 14), 10), request([30, 5], 6)
+    staggered(m, [first], [join], fold="always", fold_costs={B: dear})
+    assert mixed_calls(m)
+
+
 def test_auto_folds_where_the_measured_mixed_call_is_cheaper():
     cheap = PrefillCosts({(1, 16): 1.0, (2, 16): 1.1}, step=1.0, mixed={(1, 16): 1.2, (2, 16): 1.3})
     dear = PrefillCosts({(1, 16): 1.0, (2, 16): 1.1}, step=1.0, mixed={(1, 16): 2.5, (2, 16): 2.6})

@@ -204,10 +204,12 @@ class Calls:
         running = any(0 < r.launched < r.max_tokens for r in res.rows.values())
         if not running and len(groups) < 2:
             return None
-        costs = self.fold_costs.get(res.bucket)
-        saving = costs.fold_saving if costs is not None and costs.mixed else None
-        if self.fold == "auto" and saving is None:
-            return None
+        saving = None  # always: whatever the timings say
+        if self.fold == "auto":
+            costs = self.fold_costs.get(res.bucket)
+            if costs is None or not costs.mixed:
+                return None
+            saving = costs.fold_saving
         most = min(int(getattr(res.slots, "mixed_batch", 0)), self.max_prefills)
         return fold_call(groups, lengths, most, saving)
 
