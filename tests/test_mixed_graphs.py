@@ -217,3 +217,69 @@ def test_plan_shows_each_bucket_s_mixed_lengths(write_config):
     plan = plan_release(load_config(write_config(cuda)))
     got = {b["name"]: b["mixed_lengths"] for b in plan.to_dict()["buckets"]}
     assert got == {"b1_s64": [], "b3_s64": [32, 64]}  # cuda's default: up to 256
+
+
+def test_a_mixed_call_that_does_not_run_leaves_the_slots_as_they_were(buckets, monkeypatch):
+    """It raises before the device runs it: no draw was taken, no row moved, so the same
+    requests run apart and draw what they would have drawn."""
+    graphs = BucketGraphs(buckets / "b3_s64", single_threaded=True)
+    hot = SamplingParams(temperature=1.2, seed=4)
+
+    def run(fail_first: bool) -> list[int]:
+        slots = SessionSlots(DecodeSession(graphs))
+        got = [slots.prefill(0, [4, 8, 15], hot)]
+        if fail_first:
+            real = slots.session.run_mixed
+            monkeypatch.setattr(slots.session, "run_mixed", _raise)
+            with pytest.raises(MemoryError):
+                slots.launch_mixed([0], [1], [[16, 23]])
+            monkeypatch.setattr(slots.session, "run_mixed", real)
+            assert slots.slots_in_use == [0]
+        slots.prefill(1, [16, 23])  # apart, as the engine runs them after such a failure
+        for _ in range(4):
+            got += slots.step([0, 1])[:1]
+        return got
+
+    assert run(fail_first=True) == run(fail_first=False)
+
+
+def test_a_mixed_call_that_ran_and_then_failed_says_so_and_its_rows_moved_on(buckets):
+    from pipeline.runtime.pending import RanThenFailed
+
+    slots = SessionSlots(DecodeSession(BucketGraphs(buckets / "b3_s64", single_threaded=True)))
+    slots.prefill(0, [4, 8, 15], SamplingParams(temperature=0.9, seed=1))
+    slots._draw = _raise  # drawing the step's sampled row fails after the device ran it
+    with pytest.raises(RanThenFailed, match="MemoryError"):
+        slots.launch_mixed([0], [1], [[16, 23]])
+    assert slots.session.next[:2] == [4, 2]  # row 0 stepped once, row 1 holds its prompt
+
+
+def _raise(*_: object, **__: object) -> None:
+    raise MemoryError("out of device memory")
+
+
+@pytest.mark.slow
+def test_a_mixed_graph_that_cannot_be_built_leaves_its_prompts_to_prefill_apart(
+    tiny_checkpoint, tmp_path, monkeypatch, capsys
+):
+    """A mixed graph is only a faster way to what prefill and decode do: where it cannot be
+    exported, the bucket compiles without it (one line says so) rather than fail."""
+    from pipeline.compile.backends.aoti import CpuBackend
+    from pipeline.compile.backends.base import BucketJob
+
+    def broken(self, tokens, positions, prompt_tokens, prompt_lengths, prompt_slots, k, v, keys):
+        raise NotImplementedError("an op export cannot trace")
+
+    monkeypatch.setattr(dec.Mixed, "forward", broken)
+    out = tmp_path / "out"
+    out.mkdir()
+    job = BucketJob(
+        tiny_checkpoint, Bucket(3, 16), 1, {}, "float32", (), "fp32", out, mixed_lengths=(16,)
+    )
+    files = CpuBackend().compile(job).files
+    spec = GraphSpec.read(out)
+    assert spec.mixed_lengths == () and spec.mixed_batch == 0
+    assert sorted(files) == ["decode.pt2", "graph.json", "prefill.pt2"]
+    assert not list(out.glob("mixed_*"))
+    said = capsys.readouterr().out
+    assert "mixed_16.pt2: not built (NotImplementedError: an op export cannot trace)" in said

@@ -42,8 +42,15 @@ def test_compiled_demo_passes_and_the_report_is_written(installed, tmp_path):
     for b in data["buckets"]:
         assert b["max_rel"] <= 1e-4 and b["top1"] == 1.0 and b["greedy_exact"] == 1.0
         assert b["rows"] == b["prompts"] * 9  # prefill + 8 teacher-forced decode steps
+        mixed = b["mixed"]  # the demo's buckets of two rows have a mixed graph at 32
+        if b["bucket"].startswith("b1_"):
+            assert mixed is None
+        else:  # one row stepped, one prompt prefilled beside it
+            assert mixed["lengths"] == [32] and mixed["rows"] == 2 and mixed["flips"] == 0
+            assert mixed["max_rel"] <= 1e-4
     text = report.read_text()
     assert "| b2_s64 | 4 | 1, 32, 56 |" in text and "**PASS**: 4/4" in text
+    assert "- b2_s64 at 32: 2 rows" in text
     assert "max relative logit error ≤ 0.0001" in text  # the tolerances are stated
     assert not list(report.parent.glob(".*incomplete"))
 
@@ -133,6 +140,28 @@ def test_perturbed_logits_fail_on_the_logit_error_alone(installed, monkeypatch):
     (bucket,) = json.loads(r.stdout)["buckets"]
     assert bucket["top1"] == 1.0 and bucket["greedy_exact"] == 1.0
     assert bucket["failures"] == [f"max relative logit error {bucket['max_rel']:.3g} > 0.0001"]
+
+
+def test_a_wrong_mixed_graph_fails_parity(installed, monkeypatch):
+    """A mixed graph whose logits are off (a miscompile the server would only hit when it
+    folds a prompt into a step) fails the bucket, though its other graphs pass."""
+    from pipeline.runtime.session_slots import SessionSlots
+
+    _, model_dir = installed
+    real = SessionSlots.mixed_logits
+
+    def off(self, *args):
+        out = real(self, *args)
+        out[-1] += 0.01  # the prompt's row
+        return out
+
+    monkeypatch.setattr(SessionSlots, "mixed_logits", off)
+    r = parity(model_dir, "--bucket", "b2_s32", "--json")
+    assert r.exit_code == 1, r.output
+    (bucket,) = json.loads(r.stdout)["buckets"]
+    assert bucket["max_rel"] <= 1e-4 and bucket["top1"] == 1.0
+    mixed = f"mixed calls: max relative logit error {bucket['mixed']['max_rel']:.3g} > 0.0001"
+    assert bucket["failures"] == [mixed]
 
 
 def test_neuron_release_without_the_neuron_runtime_fails_clearly(installed, tmp_path):

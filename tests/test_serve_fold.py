@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from pipeline.contracts.bucket import Bucket
-from pipeline.runtime.pending import Ready
+from pipeline.runtime.pending import RanThenFailed, Ready
 from pipeline.server.jobs import Failed, Finished
 from pipeline.server.metrics import Metrics
 from pipeline.server.placement import fold_call
@@ -67,7 +67,9 @@ class MixingSlots(LaunchingSlots, BatchedSlots):
     mixed_lengths = (16,)
     mixed_batch = 2
     prefill_batch = 2
-    failing_mixed = False
+    failing_mixed: type[Exception] | None = None  # raised at launch, before anything runs
+    ran_then_failed = False  # the call runs, then raises RanThenFailed
+    attempts = 0
 
     def launch_mixed(
         self,
@@ -80,11 +82,14 @@ class MixingSlots(LaunchingSlots, BatchedSlots):
             raise ValueError(f"{len(prompts)} prompts in a mixed call")
         if set(prompt_slots) & set(self.rows) or set(prompt_slots) & set(slots):
             raise ValueError("a prompt into a slot in use")
+        self.attempts += 1
         if self.failing_mixed:
-            raise RuntimeError("the mixed call broke")
+            raise self.failing_mixed("the mixed call broke")
         step = self.step(slots)
         self.model.log.append(("mixed", self.bucket.name, tuple(slots), tuple(prompt_slots)))
         first = [self.prefill(s, p) for s, p in zip(prompt_slots, prompts, strict=True)]
+        if self.ran_then_failed:
+            raise RanThenFailed("drawing its tokens broke")
         name = f"{self.bucket.name} mixed {self.step_calls}"
         return FakePending(self.model, name, [*step, *first], name in self.model.failing_reads)
 
@@ -185,22 +190,38 @@ def test_prompts_of_one_iteration_fold_into_a_step_of_an_idle_bucket_beside_anot
     assert mixed_calls(m)[0] == ((0,), (1,))
 
 
-def test_a_mixed_call_that_raises_at_launch_runs_as_its_prefill_and_the_step_apart(caplog):
+def test_a_mixed_call_that_raises_at_launch_runs_apart_and_its_bucket_folds_no_more(caplog):
     m = MixingModel(prefill_lengths={B: (16,)})
-    m.slots(B).failing_mixed = True
-    first, join = request(range(10, 14), 8), request([30, 5], 6)
-    out = staggered(m, [first], [join], fold="always")
-    for r, (tokens, end) in zip([first, join], out, strict=True):
+    m.slots(B).failing_mixed = ValueError
+    first = request(range(10, 14), 12)
+    joins = [request([30, 5], 6), request([31, 5], 6)]
+    gate = m.hold_step(2)
+    later_gate = m.hold_step(4)
+
+    async def body(h):
+        h.engine.submit(first)
+        h.start()
+        await h.reached(gate)
+        h.engine.submit(joins[0])
+        gate.open()
+        await h.reached(later_gate)
+        h.engine.submit(joins[1])  # the bucket still runs: it could fold, and does not try
+        later_gate.open()
+        return [await h.result(r) for r in [first, *joins]]
+
+    out = serve(body, [B], m, start=False, fold="always")
+    for r, (tokens, end) in zip([first, *joins], out, strict=True):
         assert tokens == alone(r.prompt, r.max_tokens) and end == Finished("length")
-    assert sum("a step with 1 prompts" in r.message for r in caplog.records) == 1
+    assert m.slots(B).attempts == 1
+    assert sum("it folds no more" in r.message for r in caplog.records) == 1
 
 
-def test_a_mixed_call_whose_tokens_cannot_be_read_fails_the_rows_it_held_only():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_mixed_call_whose_tokens_cannot_be_read_fails_the_rows_it_held_only(overlap):
     m = MixingModel(prefill_lengths={B: (16,)})
     first, join = request(range(10, 14), 30), request([30, 5], 6)
     m.failing_reads.add(f"{B.name} mixed 3")  # steps 1 and 2 before the join: it rides in 3
     after = request([50, 5], 4)
-
     gate = m.hold_step(2)
 
     async def body(h):
@@ -213,10 +234,21 @@ def test_a_mixed_call_whose_tokens_cannot_be_read_fails_the_rows_it_held_only():
         h.engine.submit(after)  # the server lives on
         return [*got, await h.result(after)]
 
-    out = serve(body, [B], m, start=False, fold="always")
+    out = serve(body, [B], m, start=False, fold="always", overlap=overlap)
     assert isinstance(out[0][1], Failed) and isinstance(out[1][1], Failed)
     assert "the device failed" in out[1][1].message
     assert out[2] == (alone(after.prompt, 4), Finished("length"))
+    assert len(mixed_calls(m)) == 1  # not run again apart
+
+
+def test_a_mixed_call_that_ran_then_failed_fails_its_rows_and_is_not_run_again():
+    m = MixingModel(prefill_lengths={B: (16,)})
+    m.slots(B).ran_then_failed = True
+    first, join = request(range(10, 14), 30), request([30, 5], 6)
+    out = staggered(m, [first], [join], fold="always")
+    assert isinstance(out[0][1], Failed) and isinstance(out[1][1], Failed)
+    assert "drawing its tokens broke" in out[1][1].message
+    assert len(mixed_calls(m)) == 1 and m.slots(B).attempts == 1
 
 
 def test_folded_prefills_are_counted_apart_and_with_every_prefill():

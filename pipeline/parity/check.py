@@ -11,6 +11,8 @@ cuda); the reference runs each prompt alone, unpadded, in fp32, on the reference
   (exact; the report also counts the flips where the reference itself was near a tie).
 * N+1 **free-running** greedy tokens from the release's own ``generate``: equal to the
   reference's, or diverging only where the reference itself was within the tolerance of a tie.
+* The bucket's **mixed graphs** (a decode step with prompts in it, as ``serve
+  --fold-prompts`` runs them), where it has any: ``pipeline.parity.mixed``.
 
 The reference's weights come from one of two places:
 
@@ -30,6 +32,7 @@ report says so.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,6 +43,7 @@ from pipeline._files import atomic_write_text
 from pipeline.contracts import backend_table
 from pipeline.errors import InputError
 from pipeline.install.installed import open_installed, verify_files
+from pipeline.parity.mixed import MixedParity, check_mixed
 from pipeline.parity.reference import Reference, reference_device
 from pipeline.parity.targets import BucketSession
 from pipeline.store.manifest import Manifest
@@ -87,6 +91,7 @@ class BucketParity:
     greedy_exact: float = 0.0  # share of prompts whose steps + 1 greedy tokens all match
     greedy_near_ties: int = 0  # prompts that diverged where the reference was near a tie
     greedy_decisive: int = 0  # prompts that diverged where the reference was not
+    mixed: MixedParity | None = None  # its mixed graphs' check (none: it has none)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -186,6 +191,21 @@ class ParityReport:
             f"**{'PASS' if self.passed else 'FAIL'}**: {passed}/{len(self.buckets)} "
             "buckets within tolerance.",
         ]
+        mixed = [b for b in self.buckets if b.mixed is not None]
+        if mixed:
+            lines += [
+                "",
+                "Mixed graphs (a decode step with prompts in it, as `serve --fold-prompts` "
+                "runs them; teacher-forced):",
+                "",
+                *(
+                    f"- {b.bucket} at {', '.join(map(str, b.mixed.lengths))}: "
+                    f"{b.mixed.rows} rows, max abs {b.mixed.max_abs:.3g}, max rel "
+                    f"{b.mixed.max_rel:.3g}, top-1 flips {b.mixed.flips}"
+                    for b in mixed
+                    if b.mixed is not None
+                ),
+            ]
         failed = [b for b in self.buckets if not b.passed]
         if failed:
             lines += [""] + [f"- {b.bucket}: {'; '.join(b.failures)}" for b in failed]
@@ -232,7 +252,14 @@ def check_release(
     with torch.no_grad():
         for name in names:
             check = _check_bucket if logits else _check_bucket_tokens
-            result = check(runner.session(name), ref, name, tol, steps, seed)
+            session = runner.session(name)
+            result = check(session, ref, name, tol, steps, seed)
+            if logits:
+                verdict = functools.partial(_near_tie, tol=tol)
+                result.mixed = check_mixed(session, ref, seed, verdict)
+                if result.mixed is not None:
+                    exact = tol.min_top1 >= 1.0
+                    result.failures += result.mixed.failures(tol.max_rel, exact)
             results.append(result)
             if on_bucket:
                 on_bucket(result)

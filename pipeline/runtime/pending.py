@@ -23,6 +23,12 @@ class Pending(Protocol):
         ...
 
 
+class RanThenFailed(RuntimeError):
+    """A call that ran on the device, then failed on the host (drawing its sampled tokens,
+    say): its rows have moved on, so the caller fails them rather than run them again. Any
+    other exception from a launch means nothing ran."""
+
+
 class Ready:
     """Tokens already on the host (a backend whose calls return when they are done)."""
 

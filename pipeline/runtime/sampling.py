@@ -148,6 +148,14 @@ class SlotSampling:
         self._params.pop(slot, None)
         self._drawn.pop(slot, None)
 
+    def state(self) -> tuple[dict[int, SamplingParams], dict[int, int]]:
+        """A copy of every slot's params and counter, for ``restore``."""
+        return dict(self._params), dict(self._drawn)
+
+    def restore(self, state: tuple[dict[int, SamplingParams], dict[int, int]]) -> None:
+        """Back to ``state``: a call that took draws and then did not run."""
+        self._params, self._drawn = dict(state[0]), dict(state[1])
+
     def params(self, slot: int) -> SamplingParams:
         return self._params.get(slot, GREEDY)
 

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from pipeline.runtime.decode_session import DecodeSession
-from pipeline.runtime.pending import DeviceTokens, Pending, to_device
+from pipeline.runtime.pending import DeviceTokens, Pending, RanThenFailed, to_device
 from pipeline.runtime.sampling import Draws, SamplingParams, SlotSampling, draw
 
 
@@ -138,9 +138,32 @@ class SessionSlots:
         sampling: Sequence[SamplingParams] | None = None,
     ) -> Pending:
         """``launch`` of ``slots`` and ``launch_prefill`` of ``prompts`` into ``prompt_slots``
-        (free rows) in one mixed call (at most ``mixed_batch`` prompts, all padded to the
-        shortest of ``mixed_lengths`` that holds the longest): the step's tokens in the order
-        of ``slots``, then each prompt's first token."""
+        (free rows) in one mixed call (at most ``mixed_batch`` prompts, padded to the
+        shortest prefill length that holds the longest, which must be one of
+        ``mixed_lengths``): the step's tokens in the order of ``slots``, then each prompt's
+        first token. Raises before anything runs on a call it cannot take (the caller may
+        run them apart), and ``RanThenFailed`` when the device ran it and what followed
+        failed (the rows moved on: the caller fails them)."""
+        nxt, _, rows = self._mixed(slots, prompt_slots, prompts, sampling)
+        return DeviceTokens(nxt, rows)
+
+    def mixed_logits(
+        self, slots: Sequence[int], prompt_slots: Sequence[int], prompts: Sequence[Sequence[int]]
+    ) -> Tensor:
+        """The fp32 logits of a greedy ``launch_mixed`` on the host, [len(slots) + P, V]: each
+        step row's, then each prompt's last token's (parity's view of the server's call)."""
+        _, logits, rows = self._mixed(slots, prompt_slots, prompts, None)
+        return logits[torch.tensor(rows, device=logits.device)].float().cpu()
+
+    def _mixed(
+        self,
+        slots: Sequence[int],
+        prompt_slots: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[SamplingParams] | None,
+    ) -> tuple[Tensor, Tensor, list[int]]:
+        """The mixed call: (tokens, logits, the rows of both that answer ``slots`` then the
+        prompts)."""
         s = self.session
         inputs = self._prompt_inputs(prompt_slots, prompts)
         length = int(inputs[0].shape[1])
@@ -153,23 +176,32 @@ class SessionSlots:
         if busy:
             raise ValueError(f"slots {sorted(busy)} are in use: a prompt needs a free slot")
         order, tier = self._stage(slots)
-        drawn = self._sampling.sampled(sorted(order))
-        taken = self._sampling.take(drawn)
-        first_drawn, first_rows = self._assign(prompt_slots, sampling)
-        nxt, logits = s.run_mixed(tier, inputs)
-        b = self.batch
-        step, first = nxt[:b], nxt[b:]
-        if first_rows is not None:  # the graph fed each prompt its argmax: drawn instead
-            at = to_device(torch.tensor(first_drawn), s.device)
-            first = _with_drawn(first, logits[b:], at, first_rows)
-            s.inputs[0][:, 0].index_copy_(0, inputs[2], first)
-        if drawn:
-            step = self._draw(logits[:b], step, drawn, taken)
-        if first_rows is not None or drawn:
-            nxt = torch.cat((step, first))
+        before = self._sampling.state()
+        try:
+            drawn = self._sampling.sampled(sorted(order))
+            taken = self._sampling.take(drawn)
+            first_drawn, first_rows = self._assign(prompt_slots, sampling)
+            nxt, logits = s.run_mixed(tier, inputs)
+        except Exception:  # nothing ran: the draws were not taken
+            self._sampling.restore(before)
+            raise
+        # the device has run the call: the host follows it, whatever fails after
         self._advanced(order)
         self._started(prompt_slots, prompts)
-        return DeviceTokens(nxt, [*order, *range(b, b + len(prompts))])
+        b = self.batch
+        step, first = nxt[:b], nxt[b:]
+        try:
+            if first_rows is not None:  # the graph fed each prompt its argmax: drawn instead
+                at = to_device(torch.tensor(first_drawn), s.device)
+                first = _with_drawn(first, logits[b:], at, first_rows)
+                s.inputs[0][:, 0].index_copy_(0, inputs[2], first)
+            if drawn:
+                step = self._draw(logits[:b], step, drawn, taken)
+            if first_rows is not None or drawn:
+                nxt = torch.cat((step, first))
+        except Exception as e:
+            raise RanThenFailed(f"{type(e).__name__}: {e}") from e
+        return nxt, logits, [*order, *range(b, b + len(prompts))]
 
     def free(self, slot: int) -> None:
         """Row ``slot`` is no longer in use: its cache may be refilled by any prefill."""

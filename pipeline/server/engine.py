@@ -133,6 +133,7 @@ class Engine(Calls):
         self._inflight: list[Launched] = []  # steps launched, read at the next iteration
         # a bucket's prefill call that rides in its step this iteration: (length, items)
         self._folds: dict[Bucket, tuple[int, list[tuple[int, Request, int]]]] = {}
+        self._no_fold: set[Bucket] = set()
         self._calls = {"prefill": 0.0, "step": 0.0}  # this iteration's model-call seconds
         self._said: set[tuple[Bucket, str, str]] = set()  # shared-call failures logged
         for r in self._resident:

@@ -6,8 +6,9 @@ Launching: an iteration's admitted prompts of one bucket go into prefill calls
 iteration, one of those calls may ride in the step instead (``placement.fold_call``: by the
 start-up timings, ``serve --fold-prompts``), so its prompts cost no pass over the weights of
 their own. A shared prefill call that raises at launch runs again one prompt a call, and a
-mixed call that raises at launch runs again as its prefill and the step apart, so only the
-culprit fails.
+mixed call that raises before it runs runs again as its prefill and the step apart (its
+bucket then folds no more), so only the culprit fails; one that ran and then failed
+(``RanThenFailed``) fails the rows it held.
 
 Reading: a call's tokens go to the rows it held that are still its requests' (``Launched.
 theirs``): first tokens to its prompts, next tokens to its step's rows. A prefill whose
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.contracts.bucket import Bucket
-from pipeline.runtime.pending import Pending, Ready
+from pipeline.runtime.pending import Pending, RanThenFailed, Ready
 from pipeline.server.jobs import Event, Failed, Finished, Request, Tokens, sampling_args
 from pipeline.server.placement import fold_call, prefill_calls
 
@@ -78,6 +79,7 @@ class Calls:
     fold_costs: dict[Bucket, Any]
     _resident: list[Resident]
     _folds: dict[Bucket, tuple[int, list[tuple[int, Request, int]]]]
+    _no_fold: set[Bucket]  # buckets whose mixed call failed at launch: they fold no more
     _said: set[tuple[Any, ...]]
     _failures: int  # steps failed in a row
     _broken: str  # why the loop must stop (set by _failed)
@@ -199,7 +201,7 @@ class Calls:
         lengths = getattr(res.slots, "mixed_lengths", ())
         if self.fold == "off" or not lengths or not hasattr(res.slots, "launch_mixed"):
             return None
-        if self.batching == "static":  # the batch-at-a-time baseline stays what it was
+        if self.batching == "static" or res.bucket in self._no_fold:  # the baseline; a failure
             return None
         running = any(0 < r.launched < r.max_tokens for r in res.rows.values())
         if not running and len(groups) < 2:
@@ -213,16 +215,13 @@ class Calls:
         most = min(int(getattr(res.slots, "mixed_batch", 0)), self.max_prefills)
         return fold_call(groups, lengths, most, saving)
 
-    def _shared_failed(self, bucket: Bucket, prompts: int, e: Exception, kind: str = "") -> None:
+    def _shared_failed(self, bucket: Bucket, prompts: int, e: Exception) -> None:
         """Logged once per bucket and cause: a systematic failure would otherwise show only as
         slower prefills (on cuda, calls of more prompts than were graphed did, to 2026-12-04)."""
-        cause = (bucket, type(e).__name__, str(e)[:200], kind)
+        cause = (bucket, type(e).__name__, str(e)[:200])
         if cause not in self._said:
             self._said.add(cause)
-            if kind == "mixed":
-                msg = "a step with %d prompts in %s failed (%s: %s); apart (said once)"
-            else:
-                msg = "a prefill call of %d prompts in %s failed (%s: %s); one a call (said once)"
+            msg = "a prefill call of %d prompts in %s failed (%s: %s); one a call (said once)"
             log.warning(msg, prompts, bucket.name, type(e).__name__, e)
 
     def _launch_prefill(
@@ -252,8 +251,10 @@ class Calls:
         """One step of the bucket's rows that still have tokens to launch (a row whose last
         token is launched but not read waits for it; one that ended at a step not yet read
         is stepped once more, and that token is dropped), with this iteration's folded
-        prefill call in it where there is one: a mixed call. A mixed call that raises at
-        launch runs again as its prefill and the step apart, so only a culprit fails."""
+        prefill call in it where there is one: a mixed call. A mixed call that raises before
+        it runs is run again as its prefill and the step apart, so only a culprit fails, and
+        the bucket folds no more (a failure that would repeat every iteration); one that ran
+        and then failed (``RanThenFailed``) fails every row it held, as a step does."""
         fold = self._folds.pop(res.bucket, None)
         folded = {slot for _, _, slot in fold[1]} if fold else set()
         rows = [
@@ -266,8 +267,14 @@ class Calls:
             if rows:
                 try:
                     return [self._launch_mixed(res, rows, *fold)]
+                except RanThenFailed as e:
+                    held = [*rows, *((slot, req) for _, req, slot in fold[1])]
+                    self._step_failed(res, held, e, out)
+                    return []
                 except Exception as e:
-                    self._shared_failed(res.bucket, len(fold[1]), e, "mixed")
+                    self._no_fold.add(res.bucket)
+                    msg = "a step with %d prompts in %s failed (%s: %s); it folds no more"
+                    log.warning(msg, len(fold[1]), res.bucket.name, type(e).__name__, e)
             calls = self._launch_group(res, *fold, out)
         if not rows:
             return calls
@@ -292,15 +299,13 @@ class Calls:
     ) -> Launched:
         reqs = [req for _, req, _ in items]
         prompts = [(slot, req) for _, req, slot in items]
-        with self._timed("step"):
+        with self._timed("step"):  # read by _read_call, at once or (overlap) next iteration
             pending = res.slots.launch_mixed(
                 [s for s, _ in rows],
                 [slot for slot, _ in prompts],
                 [r.prompt for r in reqs],
                 *sampling_args(reqs),
             )
-            if not self.overlap:
-                pending = Ready(pending.tokens())
         for _, r in rows:
             r.launched += 1
         for r in reqs:

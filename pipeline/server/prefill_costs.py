@@ -165,34 +165,36 @@ def _measure_mixed(
             at[0] = 2
         at[0] += 1
 
-    def step() -> None:
-        ready()
-        slots.step([0])
-
-    step_s = _timed(step, reps, clock)
+    step_s = _timed(lambda: slots.step([0]), reps, clock, ready)
     mixed: dict[tuple[int, int], float] = {}
     for length in lengths:
         for p in range(1, size + 1):
             rows, prompts = list(range(1, p + 1)), [[0] * length for _ in range(p)]
 
             def call(rows: list[int] = rows, prompts: list[list[int]] = prompts) -> None:
-                ready()
                 slots.launch_mixed([0], rows, prompts).tokens()
                 for r in rows:
                     slots.free(r)
 
-            mixed[p, length] = _timed(call, reps, clock)
+            mixed[p, length] = _timed(call, reps, clock, ready)
             if mixed[p, length] > SLOW_S:
                 break
     slots.free(0)
     return step_s, mixed
 
 
-def _timed(call: Callable[[], None], reps: int, clock: Callable[[], float]) -> float:
-    """The median of ``reps`` timings of ``call`` after an untimed one; a call slower than
-    ``SLOW_S`` is timed once."""
+def _timed(
+    call: Callable[[], None],
+    reps: int,
+    clock: Callable[[], float],
+    setup: Callable[[], None] | None = None,
+) -> float:
+    """The median of ``reps`` timings of ``call`` (each after ``setup``, untimed) after an
+    untimed one; a call slower than ``SLOW_S`` is timed once."""
     took: list[float] = []
     for rep in range(reps + 1):
+        if setup is not None:
+            setup()
         t = clock()
         call()
         took.append(clock() - t)

@@ -167,7 +167,6 @@ class AotiBackend(Backend):
 
     def compile(self, job: BucketJob) -> BucketOutput:
         import torch
-        from torch._inductor import aoti_compile_and_package
         from transformers import AutoConfig
 
         from pipeline.compile import decoder as dec
@@ -199,46 +198,34 @@ class AotiBackend(Backend):
         per_graph = {dec.Prefill: prefill_options, dec.Decode: options, dec.Mixed: prefill_options}
         seconds = {}
         cache = [torch.zeros(spec.cache_shape, dtype=dtype, device=self.device) for _ in "kv"]
+        out = job.out_dir
         for name, graph, inputs, dynamic in self._graphs(spec, *cache):
             module = dec.build(cfg, dtype, self.device, graph)
             if not spec.constants:  # every graph takes the same constants
                 spec = dataclasses.replace(spec, constants=constant_specs(module))
             if graph is dec.Prefill and spec.prefill_batch == 1 and dynamic is not None:
                 inputs, dynamic = _one_prompt(inputs), None  # an earlier length fell back
-            if graph is dec.Mixed:  # what the prefill and decode graphs could be made
-                inputs, dynamic = _as_built(spec, inputs, dynamic)
-            start = time.monotonic()
-            with torch.no_grad():
-                try:
-                    program = torch.export.export(
-                        module, inputs, dynamic_shapes=dynamic, strict=False
-                    )
-                except torch._dynamo.exc.UserError as e:
-                    if dynamic is None:
-                        raise
-                    why = str(e).splitlines()[0]
-                    if graph is dec.Mixed:  # the sizes decode and prefill took are fixed
-                        raise
-                    if graph is dec.Decode:
-                        # An attention kernel whose inputs must be padded or aligned makes
-                        # the attended length take fixed values: attend the whole bucket.
-                        print(f"{name}: attends the whole bucket ({why})")
-                        spec = dataclasses.replace(spec, attend_prefix=False)
-                    else:  # one prompt per prefill call
-                        print(f"{name}: prefills one prompt per call ({why})")
-                        spec = dataclasses.replace(spec, prefill_batch=1)
-                        inputs = _one_prompt(inputs)
-                    program = torch.export.export(module, inputs, strict=False)
-            path = job.out_dir / name
-            graph_options = per_graph[graph]
-            with pdl.launches(graph_options) as launched, tuning.clean_timings(self.device):
-                aoti_compile_and_package(
-                    program, package_path=str(path), inductor_configs=dict(graph_options)
+            if graph is not dec.Mixed:
+                spec, seconds[name] = self._build(
+                    out / name, module, inputs, dynamic, spec, per_graph
                 )
-            seconds[name] = round(time.monotonic() - start, 2)
-            pdl_note = f", {len(launched)} kernels launched with PDL" if launched else ""
-            print(f"{name}: exported and compiled in {seconds[name]}s{pdl_note}", flush=True)
-            check_loads(path)
+                continue
+            # what the prefill and decode graphs could be made; and a mixed graph is only a
+            # faster way to what they do, so one that cannot be built leaves its prompts to
+            # be prefilled apart rather than fail a bucket that compiles without it
+            inputs, dynamic = _as_built(spec, inputs, dynamic)
+            try:
+                spec, seconds[name] = self._build(
+                    out / name, module, inputs, dynamic, spec, per_graph
+                )
+            except Exception as e:
+                length = int(inputs[2].shape[1])
+                why = (str(e).splitlines() or [""])[0]
+                print(f"{name}: not built ({type(e).__name__}: {why}); prompts of {length} "
+                      "tokens are prefilled apart", flush=True)  # fmt: skip
+                (out / name).unlink(missing_ok=True)
+                left = tuple(n for n in spec.mixed_lengths if n != length)
+                spec = dataclasses.replace(spec, mixed_lengths=left)
         if spec.mixed_lengths:  # as many prompts as prefill takes, in the rows left free
             spec = dataclasses.replace(spec, mixed_batch=min(spec.prefill_batch, spec.batch - 1))
         (job.out_dir / GRAPH_FILE).write_text(spec.to_json())
@@ -259,6 +246,53 @@ class AotiBackend(Backend):
                 "graph_seconds": seconds,
             },
         )
+
+    def _build(
+        self,
+        path: Path,
+        module: Any,
+        inputs: tuple,
+        dynamic: Any,
+        spec: GraphSpec,
+        per_graph: dict[type, dict[str, Any]],
+    ) -> tuple[GraphSpec, float]:
+        """Export ``module`` (falling back to fixed sizes where export cannot make one
+        dynamic, which the spec then records), compile it into ``path`` and check that it
+        loads: the spec and the seconds it took."""
+        import torch
+        from torch._inductor import aoti_compile_and_package
+
+        from pipeline.compile import decoder as dec
+
+        graph, name = type(module), path.name
+        start = time.monotonic()
+        with torch.no_grad():
+            try:
+                program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+            except torch._dynamo.exc.UserError as e:
+                if dynamic is None or graph is dec.Mixed:  # mixed: the sizes the others took
+                    raise
+                why = str(e).splitlines()[0]
+                if graph is dec.Decode:
+                    # An attention kernel whose inputs must be padded or aligned makes the
+                    # attended length take fixed values: attend the whole bucket.
+                    print(f"{name}: attends the whole bucket ({why})")
+                    spec = dataclasses.replace(spec, attend_prefix=False)
+                else:  # one prompt per prefill call
+                    print(f"{name}: prefills one prompt per call ({why})")
+                    spec = dataclasses.replace(spec, prefill_batch=1)
+                    inputs = _one_prompt(inputs)
+                program = torch.export.export(module, inputs, strict=False)
+        options = per_graph[graph]
+        with pdl.launches(options) as launched, tuning.clean_timings(self.device):
+            aoti_compile_and_package(
+                program, package_path=str(path), inductor_configs=dict(options)
+            )
+        seconds = round(time.monotonic() - start, 2)
+        pdl_note = f", {len(launched)} kernels launched with PDL" if launched else ""
+        print(f"{name}: exported and compiled in {seconds}s{pdl_note}", flush=True)
+        check_loads(path)
+        return spec, seconds
 
     def _graphs(self, spec: GraphSpec, k_cache: Any, v_cache: Any):
         """(file, graph class, example inputs, dynamic shapes) of every package of a bucket."""
