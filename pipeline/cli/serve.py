@@ -151,8 +151,10 @@ def serve(
     if batching not in ("iteration", "static"):
         raise InputError(f"--batching {batching}", "unknown", "use iteration or static")
     merge = _prefill_merge(prefill_merge)
-    if fold_prompts not in ("auto", "always", "off"):
-        raise InputError(f"--fold-prompts {fold_prompts}", "unknown", "use auto, always or off")
+    from pipeline.server.placement import FOLD
+
+    if fold_prompts not in FOLD:
+        raise InputError(f"--fold-prompts {fold_prompts}", "unknown", f"use {', '.join(FOLD)}")
     if api_key is not None and not api_key.strip():
         raise InputError(
             "--api-key (or INF2_SERVE_API_KEY)",

@@ -101,8 +101,7 @@ def key_material(
     if be.prefill_per_length:
         prefill = prefill_lengths(bucket, release.grid.prefill_lengths)
         material["prefill_lengths"] = list(prefill)
-        configured = release.grid.mixed_lengths
-        mixed = be.mixed_lengths(bucket, prefill, None if configured is None else tuple(configured))
+        mixed = be.mixed_lengths(bucket, prefill, release.grid.mixed_lengths)
         if mixed:  # in the key only where there are any
             material["mixed_lengths"] = list(mixed)
     if be.graphs_depend_on_weights:

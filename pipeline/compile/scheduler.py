@@ -293,6 +293,7 @@ class _Scheduler:
         cfg = self.release.config
         plan = release_gqa_plan(self.release)
         out_dir = _fresh_dir(self.workdir / "tmp" / f"{r.bucket.name}.{os.getpid()}")
+        mixed = self.release.grid.mixed_lengths  # None: the backend's default
         job = BucketJob(
             model_dir=model_dir,
             bucket=r.bucket,
@@ -305,7 +306,7 @@ class _Scheduler:
             shared=shared,
             instance_type=cfg.target.instance_type,
             prefill_lengths=tuple(self.release.grid.prefill_lengths),
-            mixed_lengths=_tuple_or_none(self.release.grid.mixed_lengths),
+            mixed_lengths=None if mixed is None else tuple(mixed),
         )
         spec = {
             "kind": "bucket",
@@ -425,7 +426,3 @@ def _pad(src: Path, out: Path, tp: int, strategy: str) -> None:
             "install inf2-pipeline[torch]",
         ) from None
     pad_checkpoint(src, out, tp, strategy)
-
-
-def _tuple_or_none(values: list[int] | None) -> tuple[int, ...] | None:
-    return None if values is None else tuple(values)

@@ -67,6 +67,13 @@ def spec(name: str) -> BackendSpec:
     return BACKENDS[name]
 
 
+def mixed_longest(name: str) -> int:
+    """The prefill lengths up to which backend ``name``'s buckets get mixed graphs where the
+    grid names none (0: none, also for a backend not in the table)."""
+    entry = BACKENDS.get(name)
+    return entry.mixed_longest if entry else 0
+
+
 def register(name: str, compiler: str, **paths: str | None) -> None:
     """Add or replace a backend (tests register fakes)."""
     old = BACKENDS.get(name)
@@ -105,6 +112,7 @@ __all__ = [
     "BACKENDS",
     "BackendSpec",
     "load",
+    "mixed_longest",
     "names",
     "register",
     "role",

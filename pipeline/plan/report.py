@@ -46,12 +46,11 @@ class ReleasePlan:
         backend = self.release.config.target.backend
         if backend not in ("cpu", "cuda"):
             return ()
-        configured = self.release.grid.mixed_lengths
         return mixed_lengths(
             bucket,
             self.prefill_lengths(bucket),
-            None if configured is None else tuple(configured),
-            backend_table.spec(backend).mixed_longest,
+            self.release.grid.mixed_lengths,
+            backend_table.mixed_longest(backend),
         )
 
     @property

@@ -62,17 +62,18 @@ class PrefillCosts:
         return self(prompts, length) + self.step - mixed
 
     def describe(self) -> str:
-        text = "; ".join(
-            f"{t}: " + " ".join(f"{p}×{s * 1e3:.2f}ms" for p, s in at)
-            for t, at in sorted(self._by_length.items())
-        )
+        text = _describe(self._by_length)
         if not self.mixed:
             return text
-        mixed = "; ".join(
-            f"{t}: " + " ".join(f"{p}×{s * 1e3:.2f}ms" for p, s in at)
-            for t, at in sorted(self._mixed_by_length.items())
-        )
+        mixed = _describe(self._mixed_by_length)
         return f"{text}; a step {self.step * 1e3:.2f}ms; mixed {mixed}"
+
+
+def _describe(by_length: dict[int, list[tuple[int, float]]]) -> str:
+    return "; ".join(
+        f"{t}: " + " ".join(f"{p}×{s * 1e3:.2f}ms" for p, s in at)
+        for t, at in sorted(by_length.items())
+    )
 
 
 def _by_length(seconds: dict[tuple[int, int], float]) -> dict[int, list[tuple[int, float]]]:

@@ -25,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import time
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -95,10 +96,9 @@ class AotiBackend(Backend):
     prefill_per_length = True
 
     def mixed_lengths(
-        self, bucket: Bucket, prefill: tuple[int, ...], configured: tuple[int, ...] | None
+        self, bucket: Bucket, prefill: Sequence[int], configured: Sequence[int] | None
     ) -> tuple[int, ...]:
-        entry = backend_table.BACKENDS.get(getattr(self, "name", ""))
-        longest = entry.mixed_longest if entry else 0  # the default, where none are given
+        longest = backend_table.mixed_longest(getattr(self, "name", ""))
         return mixed_lengths(bucket, prefill, configured, longest)
 
     def versions(self) -> dict[str, str]:

@@ -9,6 +9,7 @@ crash or be killed without harming the run.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ class Backend(ABC):
     prefill_per_length: bool = False
 
     def mixed_lengths(
-        self, bucket: Bucket, prefill: tuple[int, ...], configured: tuple[int, ...] | None
+        self, bucket: Bucket, prefill: Sequence[int], configured: Sequence[int] | None
     ) -> tuple[int, ...]:
         """The prefill lengths of ``bucket`` (``prefill``, its own) that get a mixed graph (a
         decode step and prompts in one call), given the grid's ``configured`` ones. Default:
