@@ -8,6 +8,7 @@
 #   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'"
 #   (default: the nofold variant, serve --fold-prompts off);
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
+#   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more;
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
 #   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
 #   STAGES=pull SKIP_COMPILE=1 runs it alone)
@@ -62,6 +63,11 @@ stage_decode() {
     --long-batches 1,8,32 --out "$R/cuda-decode.json"
 }
 stage_sampler() { stage sampler 60 python3 bench/bench_sampler.py; }
+stage_parity() {  # the s256 release (mixed graphs included) against the fp32 eager model
+  stage parity 90 python3 -c "from pipeline.cli import main; main()" parity "$D" \
+    --reference cuda --checkpoint work/bench-cuda/llama-3.2-1b-random --json
+  cp "$R/parity.log" "$R/parity.json" 2>/dev/null
+}
 stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments included)
   stage pull 240 python3 bench/bench_pull.py --gib 16 --shapes 4,64 \
     --pulls "${PULLS:-lean,lean-procs4:64,lean-procs8:64,lean-lowat}" \

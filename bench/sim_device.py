@@ -13,10 +13,10 @@ Default timings: the twelfth GPU round's H200 (bench/RESULTS.md): ``Slots.step``
 1.130 / 1.174 ms at batch 1 / 8 / 32 (s256) and 1.188 ms at b32 × s2048; a prefill call
 about 1 ms plus 2.5 µs a computed position (fits the replays' prefills-alone totals within
 ~20 %). A mixed call (a step with prompts in it, ``launch_mixed``) takes its prompts'
-prefill time plus ``mixed_step_s`` for the step's rows in the same pass: an assumption
-(0.15 ms), not a measurement, until an H200 round times the mixed graphs (pass the measured
-figures with ``--timings``). Tokens never end an answer (no EOS): every request runs to its
-``max_tokens``.
+prefill time plus ``mixed_step_s`` for the step's rows in the same pass: 0.3 ms, what the
+nineteenth round's start-up timings measured on the H200 (b32_s256: one 64-token prompt
+1.65-1.73 ms mixed against 1.38-1.39 ms as a prefill call alone). Tokens never end an
+answer (no EOS): every request runs to its ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ class Timings:
     prefill_call_s: float = 1.2e-3
     prefill_position_s: float = 2.6e-6
     prefill_batch: int = 8  # prompts one prefill call takes (cuda's PREFILL_GRAPH_PROMPTS)
-    # what a step's rows add to a prefill call's pass over the weights, in a mixed call:
-    # assumed, not measured (module docstring); a negative value: no mixed calls
-    mixed_step_s: float = 0.15e-3
+    # what a step's rows add to a prefill call's pass over the weights, in a mixed call
+    # (module docstring: the H200's); a negative value: no mixed calls
+    mixed_step_s: float = 0.3e-3
     mixed_longest: int = 256  # cuda's default: mixed graphs at the prefill lengths up to this
 
     @classmethod
