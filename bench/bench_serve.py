@@ -379,6 +379,36 @@ def scrape(url: str) -> str:
     return text
 
 
+def histogram_quantile(before: str, after: str, name: str, q: float) -> float | None:
+    """The ``q`` quantile of what histogram ``name`` observed between two scrapes,
+    interpolated linearly inside its bucket as Prometheus' ``histogram_quantile`` does
+    (the largest finite bound where it falls in the last); None where it observed nothing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def counts(text: str) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name + "_bucket":
+                    le = float(s.labels["le"])
+                    out[le] = out.get(le, 0.0) + s.value  # summed over fronts' labels
+        return out
+
+    old, new = counts(before), counts(after)
+    cum = sorted((le, n - old.get(le, 0.0)) for le, n in new.items())
+    if not cum or cum[-1][1] <= 0:
+        return None
+    rank = q * cum[-1][1]
+    lower, below = 0.0, 0.0
+    for le, n in cum:
+        if n >= rank:
+            if le == float("inf"):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (n - below) if n > below else 1.0)
+        lower, below = le, n
+    return lower
+
+
 def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any]:
     """What /metrics counted between two scrapes."""
 
@@ -420,6 +450,14 @@ def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any
         "server_mean_queue_time_s": mean("inf2_serve_queue_time_seconds"),
         "server_mean_ttft_s": mean("inf2_serve_time_to_first_token_seconds"),
         "server_mean_itl_s": mean("inf2_serve_inter_token_latency_seconds"),
+        # arrival at the front to the engine's first token, from the histogram's buckets:
+        # beside the client's TTFT, what is spent delivering it (engine -> front -> client)
+        **{
+            f"server_ttft_p{round(q * 100)}_s": histogram_quantile(
+                before, after, "inf2_serve_time_to_first_token_seconds", q
+            )
+            for q in (0.5, 0.99)
+        },
     }
 
 
@@ -1063,6 +1101,15 @@ def print_table(result: dict[str, Any]) -> None:
         parts = " / ".join(f"{e.get(k, 0.0):.3f}" for k in ("wait", "prefill", "step", "other"))
         name = labels.get(r["way"], r["way"])
         print(f"  {name:<24} {r['concurrency']:>4}  {parts}  (wall {r['seconds']:.3f})")
+    print(
+        "\nTTFT p50 / p99 ms in each way: the server's (arrival at the front to the engine's "
+        "token; /metrics, interpolated in its buckets), the client's"
+    )
+    for r in ways:
+        name = labels.get(r["way"], r["way"])
+        server = " / ".join(_ms(r.get(f"server_ttft_p{q}_s")) for q in (50, 99))
+        client = " / ".join(_ms(r.get(f"ttft_p{q}_s")) for q in (50, 99))
+        print(f"  {name:<24} {r['concurrency']:>4}  server {server}, client {client}")
     timed = [r for r in ways if (r.get("device") or {}).get("calls")]
     if timed:
         print(

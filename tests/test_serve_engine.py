@@ -1332,6 +1332,42 @@ def test_overlapped_answers_equal_alone_and_no_row_steps_past_its_own_end():
     assert [end.reason for _, end in out[:5]] == ["length", "stop", "stop", "length", "length"]
 
 
+def test_overlapped_running_rows_tokens_go_out_before_a_new_prompts_prefill_is_read():
+    """A prompt admitted while a row runs is prefilled in a call of its own, read after the
+    last step's: that step's tokens are sent before the engine waits for the prefill, so a
+    running row's token never waits for another request's prefill."""
+    m = LaunchingModel()
+    running, joining = request([10, 11], 12), request([20, 21, 22], 3)
+    gate = m.hold_step(3)
+
+    async def body(h):
+        send = h.engine._send
+
+        def logged(items):
+            m.log.append(("send", [(r.prompt, e) for r, e in items]))
+            send(items)
+
+        h.engine._send = logged
+        h.engine.submit(running)
+        h.start()
+        await h.reached(gate)  # it runs
+        h.engine.submit(joining)
+        gate.open()
+        return [await h.result(running), await h.result(joining)]
+
+    out = serve(body, [Bucket(2, 32)], m, start=False)
+    assert out == [
+        (alone(running.prompt, 12), Finished("length")),
+        (alone(joining.prompt, 3), Finished("length")),
+    ]
+    read = m.log.index(("read", "b2_s32 prefill (1,)"))
+    before = m.log[:read]
+    last_step = max(i for i, e in enumerate(before) if e[0] == "read")
+    assert "step" in before[last_step][1]
+    sent = [e for e in before[last_step:] if e[0] == "send"]
+    assert sent and any(p == running.prompt for p, _ in sent[0][1])
+
+
 def test_overlapped_a_failed_read_fails_the_rows_of_that_step_only():
     """A step whose tokens cannot be read (the device failed under it): its rows fail, a
     request of the other bucket answers in full, and the server goes on."""

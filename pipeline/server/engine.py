@@ -11,9 +11,9 @@ model thread (``run``) loops, because a runner is not re-entrant. Every iteratio
    that call in it where there is one (a mixed call; ``engine_calls``);
 4. reads tokens and delivers each row's: with ``overlap`` (slots that ``launch``: cpu/cuda)
    the previous iteration's steps first, which the device finished while this iteration's
-   calls queued behind them, then this iteration's prefills, whose steps are read at the
-   next iteration; otherwise (neuron, or ``overlap=False``) the prefills before step 3 and
-   the steps right after it;
+   calls queued behind them (their tokens sent at once when prefills are still to be read),
+   then this iteration's prefills, whose steps are read at the next iteration; otherwise
+   (neuron, or ``overlap=False``) the prefills before step 3 and the steps right after it;
 5. retires each row the moment its end is read (EOS, its own ``max_tokens``), so the slot
    is free for the next iteration's admissions. Under overlap a row that ended at EOS was
    already launched once more: that token is dropped (``Launched.theirs``). A row whose last
@@ -228,7 +228,13 @@ class Engine(Calls):
             # after that (their first tokens come before this iteration's step ends).
             for call in self._inflight:
                 self._read_call(call, out)
-            self._read_prefills([c for c in prefills if c.deferred], out)
+            deferred = [c for c in prefills if c.deferred]
+            if deferred and out:
+                # The last steps' tokens go now: reading this iteration's prefills waits
+                # for them to run, which would hold every running row's token back too.
+                self._send(out)
+                out = self._out = []
+            self._read_prefills(deferred, out)
             for call in steps:
                 if not call.deferred:
                     self._read_call(call, out)
