@@ -118,13 +118,16 @@ def run_way(
 
 
 def _line(fig: dict[str, Any], ceiling_s: float, tokens: int) -> str:
-    e = fig["engine_seconds"]
+    e, held = fig["engine_seconds"], fig["held_launches"]
     return (
         f"{fig['output_tokens_per_s']:8.1f} tok/s "
         f"({fig['output_tokens_per_s'] * ceiling_s / tokens:.2f}× ceiling), device busy "
         f"{fig['device_busy_share']:.0%}, TTFT p50/p99/p99 after burst "
         f"{_ms(fig['ttft_p50_s'])}/{_ms(fig['ttft_p99_s'])}/{_ms(fig['ttft_p99_after_burst_s'])}"
-        f" ms, steps {fig['steps_by_bucket']}, prefills {fig['prefills']} "
+        f" ms (server {_ms(fig['server_ttft_p50_s'])}/{_ms(fig['server_ttft_p99_s'])}, queue "
+        f"{_ms(fig['server_queue_p50_s'])}/{_ms(fig['server_queue_p99_s'])}), ITL p50 "
+        f"{_ms(fig['itl_p50_s'])}, launches held in time/late {held['in_time']}/{held['late']}"
+        f", steps {fig['steps_by_bucket']}, prefills {fig['prefills']} "
         f"({fig['prefills_folded']} folded), model thread s: "
         + " ".join(f"{k} {v:.2f}" for k, v in e.items())
         + (f", errors {fig['errors']}" if fig["errors"] else "")

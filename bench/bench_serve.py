@@ -447,14 +447,22 @@ def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any
             part: delta("inf2_serve_engine_seconds_total", part=part)
             for part in ("wait", "prefill", "step", "other")
         },
+        # launches held for the device (serve --launch-lead): in time, and late (it idled)
+        "held_launches": {
+            when: int(delta("inf2_serve_held_launches_total", device=state))
+            for when, state in (("in_time", "busy"), ("late", "idle"))
+        },
         "server_mean_queue_time_s": mean("inf2_serve_queue_time_seconds"),
         "server_mean_ttft_s": mean("inf2_serve_time_to_first_token_seconds"),
         "server_mean_itl_s": mean("inf2_serve_inter_token_latency_seconds"),
         # arrival at the front to the engine's first token, from the histogram's buckets:
         # beside the client's TTFT, what is spent delivering it (engine -> front -> client)
+        # and of that, waiting to be admitted (arrival at the front to the engine placing it)
         **{
-            f"server_ttft_p{round(q * 100)}_s": histogram_quantile(
-                before, after, "inf2_serve_time_to_first_token_seconds", q
+            f"server_{key}_p{round(q * 100)}_s": histogram_quantile(before, after, hist, q)
+            for key, hist in (
+                ("ttft", "inf2_serve_time_to_first_token_seconds"),
+                ("queue", "inf2_serve_queue_time_seconds"),
             )
             for q in (0.5, 0.99)
         },
@@ -1103,13 +1111,18 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"  {name:<24} {r['concurrency']:>4}  {parts}  (wall {r['seconds']:.3f})")
     print(
         "\nTTFT p50 / p99 ms in each way: the server's (arrival at the front to the engine's "
-        "token; /metrics, interpolated in its buckets), the client's"
+        "token; /metrics, interpolated in its buckets), of it the wait to be admitted, the "
+        "client's"
     )
     for r in ways:
         name = labels.get(r["way"], r["way"])
-        server = " / ".join(_ms(r.get(f"server_ttft_p{q}_s")) for q in (50, 99))
-        client = " / ".join(_ms(r.get(f"ttft_p{q}_s")) for q in (50, 99))
-        print(f"  {name:<24} {r['concurrency']:>4}  server {server}, client {client}")
+        server, queue, client = (
+            " / ".join(_ms(r.get(f"{key}_p{q}_s")) for q in (50, 99))
+            for key in ("server_ttft", "server_queue", "ttft")
+        )
+        print(
+            f"  {name:<24} {r['concurrency']:>4}  server {server} (queue {queue}), client {client}"
+        )
     timed = [r for r in ways if (r.get("device") or {}).get("calls")]
     if timed:
         print(

@@ -114,6 +114,9 @@ class Pending:
         self._device.wait(self._done_at)
         return self._tokens
 
+    def done(self) -> bool:
+        return time.perf_counter() >= self._done_at
+
 
 class SimSlots:
     """One bucket as slots (``pipeline.runtime.runners.Slots``), on the simulated device."""

@@ -454,3 +454,20 @@ def test_serve_prefill_merge_is_auto_or_a_count_of_positions(tmp_path, value):
         f"--prefill-merge {value}",
         "neither auto nor a count",
     )
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "51"])
+def test_serve_launch_lead_is_auto_off_or_milliseconds(tmp_path, value):
+    one_line(
+        invoke("serve", tmp_path, "--launch-lead", value),
+        2,
+        f"--launch-lead {value}",
+        "not auto, off or a lead in milliseconds",
+    )
+
+
+def test_serve_launch_lead_takes_milliseconds():
+    from pipeline.cli.serve import _launch_lead
+
+    assert _launch_lead("AUTO") == "auto" and _launch_lead("off") == "off"
+    assert _launch_lead("0.5") == pytest.approx(0.5e-3)

@@ -112,6 +112,18 @@ def serve(
             "tokens, so the device works while the host streams them (cpu/cuda releases).",
         ),
     ] = True,
+    launch_lead: Annotated[
+        str,
+        typer.Option(
+            "--launch-lead",
+            metavar="MS|auto|off",
+            help="With --overlap, hold each iteration's launch until the device's queued work "
+            "is about to end (predicted from the start-up timings), this many milliseconds "
+            "before it, so requests that arrive meanwhile join it. auto: adapt the lead to "
+            "the host, from 0.5 ms (the default); off: launch as soon as the last tokens are "
+            "read.",
+        ),
+    ] = "auto",
     engine_process: Annotated[
         bool,
         typer.Option(
@@ -151,6 +163,7 @@ def serve(
     if batching not in ("iteration", "static"):
         raise InputError(f"--batching {batching}", "unknown", "use iteration or static")
     merge = _prefill_merge(prefill_merge)
+    lead = _launch_lead(launch_lead)
     from pipeline.server.placement import FOLD
 
     if fold_prompts not in FOLD:
@@ -192,11 +205,32 @@ def serve(
             chat_max_tokens=chat_max_tokens,
             coalesce=coalesce,
             overlap=overlap,
+            launch_lead=lead,
             engine_process=engine_process,
             http_workers=http_workers,
             trust=keys,
         )
     )
+
+
+def _launch_lead(value: str) -> float | str:
+    """--launch-lead's value: "auto", "off", or seconds (given in milliseconds)."""
+    from pipeline.errors import InputError
+
+    word = value.strip().lower()
+    if word in ("auto", "off"):
+        return word
+    try:
+        ms = float(word)
+    except ValueError:
+        ms = -1.0
+    if not 0 <= ms <= 50:
+        raise InputError(
+            f"--launch-lead {value}",
+            "is not auto, off or a lead in milliseconds from 0 to 50",
+            "use e.g. --launch-lead 0.5, or auto",
+        )
+    return ms / 1e3
 
 
 def _prefill_merge(value: str) -> int | str:

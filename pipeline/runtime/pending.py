@@ -22,6 +22,10 @@ class Pending(Protocol):
         """The call's tokens, one per row it was given, in order (waits for the device)."""
         ...
 
+    def done(self) -> bool:
+        """Whether the device has finished the call (never waits)."""
+        ...
+
 
 class RanThenFailed(RuntimeError):
     """A call that ran on the device, then failed on the host (drawing its sampled tokens,
@@ -37,6 +41,9 @@ class Ready:
 
     def tokens(self) -> list[int]:
         return self._tokens
+
+    def done(self) -> bool:
+        return True
 
 
 class DeviceTokens:
@@ -61,6 +68,9 @@ class DeviceTokens:
             self._event = None
         out = self._host.tolist()
         return out if self._rows is None else [out[r] for r in self._rows]
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.query())
 
 
 def to_device(values: Any, device: Any) -> Any:

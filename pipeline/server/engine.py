@@ -57,6 +57,7 @@ from pipeline.server.jobs import (
     Request,
     put_events,
 )
+from pipeline.server.pacing import Pacer
 from pipeline.server.placement import BucketSlots, place
 
 log = logging.getLogger("inf2_pipeline.serve")
@@ -92,6 +93,7 @@ class Engine(Calls):
         overlap: bool = True,
         hooks: Hooks | None = None,
         deliver: Callable[[list[tuple[Request, Event]]], None] | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         """``buckets``: the resident ones (loaded and warm). ``overlap``: launch each
         iteration's steps before reading the last one's tokens (where the slots can).
@@ -100,7 +102,9 @@ class Engine(Calls):
         bucket's step where the slots have mixed calls (``placement.FOLD``), ``auto`` by
         ``fold_costs`` (each bucket's ``PrefillCosts``: ``fold_saving``).
         ``deliver``: where each batch of events goes (default: the requests' queues, on
-        ``loop``; the engine's own process sends them to the server's instead)."""
+        ``loop``; the engine's own process sends them to the server's instead). ``pacer``:
+        under overlap, hold each launch until the device's queued work is about to end
+        (``pacing``; None: launch at once)."""
         self.model = model
         self.loop = loop
         if deliver is None:
@@ -122,6 +126,7 @@ class Engine(Calls):
         self.batching = batching
         self.overlap = overlap
         self.hooks: Any = hooks or NoHooks()
+        self._pacer = pacer if overlap else None
         self._resident = [Resident(b, model.slots(b)) for b in sorted(buckets)]
         self._eos = frozenset(model.eos_token_ids)
         self._queue: deque[Request] = deque()
@@ -211,8 +216,14 @@ class Engine(Calls):
                         self.hooks.engine_time(now - waited, 0.0, 0.0, 0.0)
                         self.hooks.idle()
                         start, waited = start + now - waited, now
+                self._hold()
                 waited = clock() - waited
                 admitted = self._take_admissions()
+            launched_at = clock()
+            if self._pacer is not None:
+                late = self._pacer.launching(self._inflight)
+                if late is not None:
+                    self.hooks.launch(late, self._pacer.lead_s)
             prefills = self._launch_prefills(admitted, out) if admitted else []
             now = [c for c in prefills if not c.deferred]
             if now:
@@ -239,6 +250,8 @@ class Engine(Calls):
                 if not call.deferred:
                     self._read_call(call, out)
             self._inflight = [c for c in steps if c.deferred]
+            if self._pacer is not None:
+                self._pacer.queued(self._inflight, launched_at)
             self._out = []
             if out:  # one wake-up of the loop per iteration, for every request
                 self._send(out)
@@ -248,6 +261,16 @@ class Engine(Calls):
             self.hooks.engine_time(waited, pre, step, clock() - start - waited - pre - step)
             if self._broken:
                 raise EngineFailed(self._broken)
+
+    def _hold(self) -> None:
+        """Under the lock: wait for the pacer's launch time while the device still works on
+        the last iteration's calls; requests that arrive meanwhile join this iteration."""
+        while self._pacer is not None and self._inflight and not self._closing:
+            until = self._pacer.until()
+            left = None if until is None else until - time.perf_counter()
+            if left is None or left <= 0:
+                return
+            self._cond.wait(min(left, 1.0))
 
     def _running(self) -> bool:
         return any(r.rows for r in self._resident)

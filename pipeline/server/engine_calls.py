@@ -85,6 +85,7 @@ class Calls:
     _broken: str  # why the loop must stop (set by _failed)
     _eos: frozenset[int]
     _calls: dict[str, float]  # this iteration's seconds inside the runner's calls, by part
+    _pacer: Any  # pacing.Pacer, or None
 
     @contextlib.contextmanager
     def _timed(self, part: str) -> Any:
@@ -343,7 +344,9 @@ class Calls:
         """The call's tokens (the host sync, timed as ``part``), as (slot, request, token)
         for the rows still held by their request; raises what reading raised."""
         with self._timed(part):
-            tokens = call.pending.tokens()
+            pending = call.pending
+            pacer = self._pacer
+            tokens = pending.tokens() if pacer is None else pacer.read(pending, pending.tokens)
         if len(tokens) != len(call.rows):
             raise RuntimeError(f"{len(tokens)} tokens for {len(call.rows)} rows")
         mine = {id(r) for _, r in call.theirs()}

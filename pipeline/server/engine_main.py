@@ -74,6 +74,9 @@ class Relay:
     def slots(self, bucket: Bucket, busy: int) -> None:
         self.records.append(("slots", bucket.name, busy))
 
+    def launch(self, late: bool, lead: float) -> None:
+        self.records.append(("launch", late, lead))
+
     def engine_time(self, wait: float, prefill: float, step: float, other: float) -> None:
         """The end of an iteration: its time goes with the next events; what this iteration
         measured and no events carried (a slot freed for a client that left) goes now."""

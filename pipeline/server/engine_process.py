@@ -228,8 +228,9 @@ class EngineProcess:
                 return
             kind = message[0]
             if kind == "events":
-                self._records(message[2])
+                # tokens to their streams first: the measurements can wait that long
                 self._events(message[1])
+                self._records(message[2])
             elif kind == "phase":
                 self.listener.engine_phase(message[1])
             elif kind == "ready":
@@ -283,8 +284,8 @@ class EngineProcess:
                 m.queue_time.observe(r[2])
             elif kind == "queue_depth":
                 m.queue_depth(r[1])
-            elif kind == "engine_time":
-                m.engine_time(*r[1:])
+            elif kind in ("engine_time", "launch"):
+                getattr(m, kind)(*r[1:])
             else:  # prefill, step, slots: by bucket
                 getattr(m, kind)(self._buckets[r[1]], *r[2:])
 

@@ -5,6 +5,7 @@ or the server's, ``pipeline.server.service``). ``ServeOptions`` are ``serve``'s 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,10 @@ from typing import Any
 from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import Engine
 from pipeline.server.jobs import Hooks
-from pipeline.server.prefill_costs import measure_all
+from pipeline.server.pacing import Pacer, call_costs
+from pipeline.server.prefill_costs import measure_all, measure_step
+
+log = logging.getLogger("inf2_pipeline.serve")
 
 
 @dataclass
@@ -42,6 +46,10 @@ class ServeOptions:
     coalesce: bool = False
     # launch each iteration's steps before reading the last one's tokens (cpu/cuda slots)
     overlap: bool = True
+    # under overlap, launch an iteration this long before the device's queued work ends
+    # (pipeline.server.pacing): "auto" adapts it from 0.5 ms, a float (s) holds it, "off"
+    # launches as soon as the last tokens are read
+    launch_lead: float | str = "auto"
     # the keys whose signature the release must carry (pipeline.store.signing.Trust)
     trust: Any = None
     # the engine in a process of its own: the HTTP side's Python never holds the GIL the
@@ -117,7 +125,8 @@ def make_engine(
     auto = o.prefill_merge == "auto"
     # the largest call the engine makes: max_prefills prompts (static fills a whole bucket)
     most = None if o.batching == "static" else o.max_prefills
-    timed = auto or o.fold_prompts == "auto"
+    paced = o.launch_lead != "off" and o.overlap and o.batching != "static"
+    timed = auto or o.fold_prompts == "auto" or paced
     costs = measure_all(model, list(resident), most) if timed else None
     return Engine(
         model,
@@ -135,8 +144,36 @@ def make_engine(
         batching=o.batching,
         overlap=o.overlap,
         hooks=hooks,
+        pacer=make_pacer(model, resident, o.launch_lead, costs or {}) if paced else None,
         **more,
     )
+
+
+def make_pacer(
+    model: Any, resident: Sequence[Bucket], lead: float | str, costs: dict[Bucket, Any]
+) -> Pacer | None:
+    """The engine's launch clock (``pacing``), from each bucket's step timed at start-up
+    (``costs``' where it timed one) and its mixed calls; None where no bucket's slots
+    launch (neuron: nothing is queued ahead to hold)."""
+    steps: dict[Bucket, float] = {}
+    for bucket in resident:
+        slots = model.slots(bucket)
+        if not hasattr(slots, "launch"):
+            continue
+        table = costs.get(bucket)
+        step = table.step if table is not None and table.step else measure_step(slots)
+        if step:
+            steps[bucket] = step
+    if not steps:
+        return None
+    log.info(
+        "launches held until the device's work is about to end (lead %s); steps: %s",
+        lead if lead == "auto" else f"{float(lead) * 1e3:.2f}ms",
+        ", ".join(f"{b.name} {s * 1e3:.2f}ms" for b, s in sorted(steps.items())),
+    )
+    if lead == "auto":
+        return Pacer(call_costs(steps, costs))
+    return Pacer(call_costs(steps, costs), lead_s=float(lead), adapt=False)
 
 
 def warm(slots: Any) -> None:

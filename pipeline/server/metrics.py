@@ -133,6 +133,21 @@ class Metrics:
         self._engine_parts = {
             p: self.engine_seconds.labels(p) for p in ("wait", "prefill", "step", "other")
         }
+        self.launches = Counter(
+            "inf2_serve_held_launches",
+            "Iterations whose launch was held until the device's queued work was about to end "
+            "(serve --launch-lead), by the device then: busy (in time) or idle (late: it ran "
+            "dry)",
+            ["device"],
+            registry=r,
+        )
+        self.lead = Gauge(
+            "inf2_serve_launch_lead_seconds",
+            "How long before the device's queued work ends the engine launches the next "
+            "iteration (adapts under --launch-lead auto)",
+            registry=r,
+            multiprocess_mode="livesum",  # front 0 alone sets it, from the engine's records
+        )
         self.latency = Histogram(
             "inf2_serve_request_duration_seconds",
             "Arrival to the last token",
@@ -186,6 +201,10 @@ class Metrics:
         parts["prefill"].inc(prefill)
         parts["step"].inc(step)
         parts["other"].inc(max(other, 0.0))
+
+    def launch(self, late: bool, lead: float) -> None:
+        self.launches.labels("idle" if late else "busy").inc()
+        self.lead.set(lead)
 
     def idle(self) -> None:
         pass

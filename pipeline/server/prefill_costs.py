@@ -61,6 +61,12 @@ class PrefillCosts:
         mixed = _interpolated(self._mixed_by_length, prompts, length, "mixed")
         return self(prompts, length) + self.step - mixed
 
+    def mixed_call(self, prompts: int, length: int) -> float | None:
+        """A mixed call's cost (a step with ``prompts`` at ``length``), None where unmeasured."""
+        if length not in self._mixed_by_length:
+            return None
+        return _interpolated(self._mixed_by_length, prompts, length, "mixed")
+
     def describe(self) -> str:
         text = _describe(self._by_length)
         if not self.mixed:
@@ -157,15 +163,7 @@ def _measure_mixed(
     lengths = getattr(slots, "mixed_lengths", ())
     if size < 1 or not lengths or not hasattr(slots, "launch_mixed") or slots.seq < 4:
         return 0.0, {}
-    at = [slots.seq]  # row 0's next position: filled again before it runs out
-
-    def ready() -> None:
-        if at[0] >= slots.seq - 1:
-            slots.free(0)
-            slots.prefill(0, [0, 0])
-            at[0] = 2
-        at[0] += 1
-
+    ready = _stepping_row(slots)
     step_s = _timed(lambda: slots.step([0]), reps, clock, ready)
     mixed: dict[tuple[int, int], float] = {}
     for length in lengths:
@@ -182,6 +180,35 @@ def _measure_mixed(
                 break
     slots.free(0)
     return step_s, mixed
+
+
+def _stepping_row(slots: Any) -> Callable[[], None]:
+    """A setup that keeps row 0 holding a short prompt with room for its next step."""
+    at = [slots.seq]  # row 0's next position: filled again before it runs out
+
+    def ready() -> None:
+        if at[0] >= slots.seq - 1:
+            slots.free(0)
+            slots.prefill(0, [0, 0])
+            at[0] = 2
+        at[0] += 1
+
+    return ready
+
+
+def measure_step(
+    slots: Any, reps: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float | None:
+    """A step's seconds (row 0 stepping), the median of ``reps``; None where the bucket is
+    too short to step (what ``serve --launch-lead`` predicts a step from, where no
+    ``measure`` timed one)."""
+    if slots.seq < 4:
+        return None
+    ready = _stepping_row(slots)
+    try:
+        return _timed(lambda: slots.step([0]), reps, clock, ready)
+    finally:
+        slots.free(0)
 
 
 def _timed(
