@@ -446,24 +446,19 @@ def test_reading_weights_tells_a_damaged_file_from_the_machine(tmp_path, error, 
         assert e.value.what == str(f)
 
 
-@pytest.mark.parametrize("value", ["-1", "many", "6.4"])
-def test_serve_prefill_merge_is_auto_or_a_count_of_positions(tmp_path, value):
-    one_line(
-        invoke("serve", tmp_path, "--prefill-merge", value),
-        2,
-        f"--prefill-merge {value}",
-        "neither auto nor a count",
-    )
-
-
-@pytest.mark.parametrize("value", ["-1", "soon", "51"])
-def test_serve_launch_lead_is_auto_off_or_milliseconds(tmp_path, value):
-    one_line(
-        invoke("serve", tmp_path, "--launch-lead", value),
-        2,
-        f"--launch-lead {value}",
-        "not auto, off or a lead in milliseconds",
-    )
+@pytest.mark.parametrize(
+    "flag, value, why",
+    [
+        *[("--prefill-merge", v, "neither auto nor a count") for v in ("-1", "many", "6.4")],
+        *[
+            ("--launch-lead", v, "not auto, off or a lead in milliseconds")
+            for v in ("-1", "soon", "51")
+        ],
+    ],
+)
+def test_serve_policy_values_are_checked_before_the_release(tmp_path, flag, value, why):
+    """--prefill-merge is auto or a count of positions, --launch-lead auto, off or ms."""
+    one_line(invoke("serve", tmp_path, flag, value), 2, f"{flag} {value}", why)
 
 
 def test_serve_launch_lead_takes_milliseconds():
