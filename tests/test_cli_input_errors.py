@@ -451,18 +451,25 @@ def test_reading_weights_tells_a_damaged_file_from_the_machine(tmp_path, error, 
     [
         *[("--prefill-merge", v, "neither auto nor a count") for v in ("-1", "many", "6.4")],
         *[
-            ("--launch-lead", v, "not auto, off or a lead in milliseconds")
+            ("--launch-lead", v, "not auto, off or milliseconds from 0 to 50")
             for v in ("-1", "soon", "51")
+        ],
+        *[
+            ("--prefill-stall", v, "not auto, off or milliseconds from 0 to 1000")
+            for v in ("-0.1", "long", "1001")
         ],
     ],
 )
 def test_serve_policy_values_are_checked_before_the_release(tmp_path, flag, value, why):
-    """--prefill-merge is auto or a count of positions, --launch-lead auto, off or ms."""
+    """--prefill-merge is auto or a count of positions, --launch-lead and --prefill-stall
+    auto, off or ms."""
     one_line(invoke("serve", tmp_path, flag, value), 2, f"{flag} {value}", why)
 
 
-def test_serve_launch_lead_takes_milliseconds():
-    from pipeline.cli.serve import _launch_lead
+def test_serve_launch_lead_and_prefill_stall_take_milliseconds():
+    from pipeline.cli.serve import _milliseconds
 
-    assert _launch_lead("AUTO") == "auto" and _launch_lead("off") == "off"
-    assert _launch_lead("0.5") == pytest.approx(0.5e-3)
+    for flag in ("--launch-lead", "--prefill-stall"):
+        assert _milliseconds(flag, "AUTO", 50, "1") == "auto"
+        assert _milliseconds(flag, "off", 50, "1") == "off"
+        assert _milliseconds(flag, "0.5", 50, "1") == pytest.approx(0.5e-3)

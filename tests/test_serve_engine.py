@@ -28,6 +28,7 @@ from pipeline.server.placement import (
     cheapest_prefills,
     merged_prefills,
     place,
+    within_stall,
 )
 from pipeline.server.tokenizer import TextStream
 
@@ -660,6 +661,72 @@ def test_max_prefills_bounds_the_admissions_of_one_iteration():
     kinds = [e[0] for e in m.log if e[0] != "free"]
     assert kinds[:9] == ["prefill", "prefill", "step"] * 2 + ["prefill", "step", "step"]
     assert [sorted(rows) for rows in m.steps()[:3]] == [[0, 1], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
+
+
+def call_s(k: int, length: int) -> float:
+    """A call's cost on a device where a call is mostly a pass over the weights: 1 ms, plus
+    2 µs a computed position."""
+    return 1e-3 + 2e-6 * k * length
+
+
+def test_within_stall_admits_a_prefix_by_each_buckets_calls_per_length():
+    a, b = Bucket(8, 256), Bucket(8, 2048)
+    costs = {a: call_s, b: call_s}
+    # 8 short prompts in one call at 64: 1 + 1.024 ms, all within 3 ms
+    assert within_stall([(a, 64)] * 8, costs, 3e-3) == 8
+    # a second length is a second call: 1.512 ms at 64, then 1.256 at 128 (2.768 in all),
+    # and 0.256 more for its second prompt passes 3 ms
+    assert within_stall([(a, 64)] * 4 + [(a, 128)] * 2, costs, 3e-3) == 5
+    # prompts of 1,024 positions: the first 3.048 ms, each more 2.048
+    assert within_stall([(b, 1024)] * 4, costs, 5e-3) == 1
+    assert within_stall([(b, 1024)] * 4, costs, 8e-3) == 3
+    # the first always goes in, however dear; the count is a prefix: nothing after a
+    # refused prompt goes in, even a cheap one (first come, first served)
+    assert within_stall([(b, 2048), (a, 64)], costs, 1e-3) == 1
+    assert within_stall([(a, 64), (b, 2048), (a, 64)], costs, 3e-3) == 1
+    # a bucket without timings costs nothing here: --max-prefills alone bounds it
+    assert within_stall([(b, 2048)] * 3, {a: call_s}, 1e-3) == 3
+    assert within_stall([], costs, 1e-3) == 0
+
+
+def test_prefill_stall_bounds_an_iterations_admissions_by_their_cost():
+    """Within max_prefills 8, a budget of 2 ms (call_s) admits the four short prompts that
+    wait at once in one iteration (one call at 16: 1.128 ms) but no long one (its call at
+    128 adds 1.256), then three long ones (1.256, 1.512, 1.768 ms; a fourth 2.024), then the
+    last; every answer is still the prompt's alone. Without the budget the eight go in at
+    once."""
+    b = Bucket(8, 128)
+
+    def first_steps(**stall: float) -> list[int]:
+        m = BatchedModel(prefill_lengths={b: (16, 64)})
+        short = [request([10 + i, 3], 4) for i in range(4)]
+        long = [request(list(range(3 + i, 103 + i)), 4) for i in range(4)]
+        rs = [*short, *long]
+
+        async def body(h):
+            for r in rs:
+                h.engine.submit(r)
+            h.start()
+            return [await h.result(r) for r in rs]
+
+        out = serve(body, [b], m, start=False, max_prefills=8, call_costs={b: call_s}, **stall)
+        for r, (tokens, end) in zip(rs, out, strict=True):
+            assert tokens == alone(r.prompt, 4) and end == Finished("length")
+        return [len(rows) for rows in m.steps()[:3]]
+
+    assert first_steps(prefill_stall=2e-3) == [4, 7, 8]
+    assert first_steps() == [8, 8, 8]
+
+
+def test_prefill_stall_auto_is_ten_of_the_slowest_step_and_none_without_timings():
+    from pipeline.server.loading import STALL_STEPS, stall_budget
+
+    a, b = Bucket(1, 256), Bucket(32, 256)
+    steps, costs = {a: 0.9e-3, b: 1.2e-3}, {b: call_s}
+    assert stall_budget("auto", steps, costs) == pytest.approx(STALL_STEPS * 1.2e-3)
+    assert stall_budget(5e-3, steps, costs) == 5e-3
+    assert stall_budget("auto", {}, costs) is None  # no step timed: the count alone
+    assert stall_budget(5e-3, steps, {}) is None  # no prefill call timed (neuron)
 
 
 def test_cancelling_a_running_request_frees_its_slot_within_one_iteration():

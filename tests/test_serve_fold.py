@@ -156,7 +156,7 @@ def test_always_folds_whatever_the_timings_say():
     dear = PrefillCosts({(1, 16): 1.0}, step=1.0, mixed={(1, 16): 2.5})
     m = MixingModel(prefill_lengths={B: (16,)})
     first, join = request(range(10, 14), 10), request([30, 5], 6)
-    staggered(m, [first], [join], fold="always", fold_costs={B: dear})
+    staggered(m, [first], [join], fold="always", call_costs={B: dear})
     assert mixed_calls(m)
 
 
@@ -166,7 +166,7 @@ def test_auto_folds_where_the_measured_mixed_call_is_cheaper():
     for costs, folds in ((cheap, True), (dear, False), (None, False)):
         m = MixingModel(prefill_lengths={B: (16,)})
         first, join = request(range(10, 14), 10), request([30, 5], 6)
-        options = {"fold_costs": {B: costs}} if costs else {}
+        options = {"call_costs": {B: costs}} if costs else {}
         out = staggered(m, [first], [join], fold="auto", **options)
         assert bool(mixed_calls(m)) is folds
         assert out[1][0] == alone(join.prompt, 6)

@@ -184,10 +184,12 @@ def test_prefill_merge_answers_as_prefills_by_length_do(release, tmp_path):
     """Prompts of different prefill lengths sent together, while a slowed step keeps them
     waiting for one admission: with --prefill-merge they may share a call at the longer
     length (right-padded further), or the calls its measured costs make cheapest (auto), and
-    every answer is the one prefills by length give."""
+    every answer is the one prefills by length give. The auto way also bounds each
+    iteration's prefills by their timed cost (--prefill-stall auto), which it logs."""
     prompts = [([1, 2, 3], 5), (list(range(3, 40)), 4), ([7, 8], 6), (list(range(5, 25)), 3)]
     answers = {}
-    ways = (("--prefill-merge", "0"), ("--prefill-merge", "64"), ())  # () : auto, the default
+    # the last: --prefill-merge auto, the default
+    ways = (("--prefill-merge", "0"), ("--prefill-merge", "64"), ("--prefill-stall", "auto"))
     for i, flags in enumerate(ways):
         log = tmp_path / f"serve{i}.log"
         flags = (*flags, "--max-prefills", "8") if i else flags
@@ -195,6 +197,7 @@ def test_prefill_merge_answers_as_prefills_by_length_do(release, tmp_path):
             s.wait_ready()
             answers[flags] = together(s.url, prompts)
             assert s.stop() == 0
+    assert "prefills stall at most" in log.read_text()
     by_length, merged, cheapest = answers.values()
     assert merged == by_length == cheapest and [len(a) for a in merged] == [n for _, n in prompts]
 

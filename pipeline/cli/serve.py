@@ -30,6 +30,18 @@ def serve(
             help="Requests admitted per iteration (each prefill stalls the running rows).",
         ),
     ] = 4,
+    prefill_stall: Annotated[
+        str,
+        typer.Option(
+            "--prefill-stall",
+            metavar="MS|auto|off",
+            help="The prefill work an iteration may admit, by the start-up timings, within "
+            "--max-prefills: admissions stop at the first prompt that would take the "
+            "iteration's prefill calls past it (one always goes in), so a burst of short "
+            "prompts goes in at once and long ones a few at a time. auto: ten of the slowest "
+            "resident step; off: --max-prefills alone (the default).",
+        ),
+    ] = "off",
     spill: Annotated[
         bool,
         typer.Option(
@@ -163,7 +175,8 @@ def serve(
     if batching not in ("iteration", "static"):
         raise InputError(f"--batching {batching}", "unknown", "use iteration or static")
     merge = _prefill_merge(prefill_merge)
-    lead = _launch_lead(launch_lead)
+    lead = _milliseconds("--launch-lead", launch_lead, 50, "0.5")
+    stall = _milliseconds("--prefill-stall", prefill_stall, 1000, "12")
     from pipeline.server.placement import FOLD
 
     if fold_prompts not in FOLD:
@@ -195,6 +208,7 @@ def serve(
             port=port,
             max_queue=max_queue,
             max_prefills=max_prefills,
+            prefill_stall=stall,
             spill=spill,
             overflow=overflow,
             widest_from_idle=widest_from_idle,
@@ -213,8 +227,8 @@ def serve(
     )
 
 
-def _launch_lead(value: str) -> float | str:
-    """--launch-lead's value: "auto", "off", or seconds (given in milliseconds)."""
+def _milliseconds(flag: str, value: str, most: float, example: str) -> float | str:
+    """A flag's value of "auto", "off", or milliseconds from 0 to ``most`` (as seconds)."""
     from pipeline.errors import InputError
 
     word = value.strip().lower()
@@ -224,11 +238,11 @@ def _launch_lead(value: str) -> float | str:
         ms = float(word)
     except ValueError:
         ms = -1.0
-    if not 0 <= ms <= 50:
+    if not 0 <= ms <= most:
         raise InputError(
-            f"--launch-lead {value}",
-            "is not auto, off or a lead in milliseconds from 0 to 50",
-            "use e.g. --launch-lead 0.5, or auto",
+            f"{flag} {value}",
+            f"is not auto, off or milliseconds from 0 to {most:g}",
+            f"use e.g. {flag} {example}, or auto",
         )
     return ms / 1e3
 

@@ -5,8 +5,9 @@ model thread (``run``) loops, because a runner is not re-entrant. Every iteratio
 
 1. retires rows whose client left (or whose stop string matched), freeing their slots;
 2. admits waiting requests into free slots (``placement.place``: first come, first served,
-   at most ``max_prefills``) and launches their prefills (``placement.prefill_calls``), but
-   for one call per bucket that may ride in the bucket's step (``placement.fold_call``);
+   at most ``max_prefills``, within ``prefill_stall``) and launches their prefills
+   (``placement.prefill_calls``), but for one call per bucket that may ride in the
+   bucket's step (``placement.fold_call``);
 3. launches one decode step for every bucket with rows that have tokens to launch, with
    that call in it where there is one (a mixed call; ``engine_calls``);
 4. reads tokens and delivers each row's: with ``overlap`` (slots that ``launch``: cpu/cuda)
@@ -45,7 +46,7 @@ from typing import Any, Protocol
 
 from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine_calls import FAIL_AFTER as FAIL_AFTER
-from pipeline.server.engine_calls import Calls, Launched, Resident
+from pipeline.server.engine_calls import Calls, Launched, Resident, prefill_positions
 from pipeline.server.jobs import Closed as Closed
 from pipeline.server.jobs import EngineFailed as EngineFailed
 from pipeline.server.jobs import (
@@ -58,7 +59,7 @@ from pipeline.server.jobs import (
     put_events,
 )
 from pipeline.server.pacing import Pacer
-from pipeline.server.placement import BucketSlots, place
+from pipeline.server.placement import BucketSlots, place, within_stall
 
 log = logging.getLogger("inf2_pipeline.serve")
 
@@ -88,7 +89,8 @@ class Engine(Calls):
         prefill_merge: int = 0,
         prefill_costs: Mapping[Bucket, Callable[[int, int], float]] | None = None,
         fold: str = "auto",
-        fold_costs: Mapping[Bucket, Any] | None = None,
+        call_costs: Mapping[Bucket, Any] | None = None,
+        prefill_stall: float | None = None,
         batching: str = "iteration",
         overlap: bool = True,
         hooks: Hooks | None = None,
@@ -100,7 +102,10 @@ class Engine(Calls):
         ``prefill_costs``: each bucket's prefill calls' cost, to split prompts into calls by
         (``placement.cheapest_prefills``). ``fold``: how a prefill call rides in its
         bucket's step where the slots have mixed calls (``placement.FOLD``), ``auto`` by
-        ``fold_costs`` (each bucket's ``PrefillCosts``: ``fold_saving``).
+        ``call_costs`` (each bucket's ``PrefillCosts``: ``fold_saving``).
+        ``prefill_stall``: seconds of prefill work (by ``call_costs``) an iteration's
+        admissions may add, within ``max_prefills`` (``placement.within_stall``; None: the
+        count alone).
         ``deliver``: where each batch of events goes (default: the requests' queues, on
         ``loop``; the engine's own process sends them to the server's instead). ``pacer``:
         under overlap, hold each launch until the device's queued work is about to end
@@ -122,7 +127,8 @@ class Engine(Calls):
         self.prefill_merge = prefill_merge
         self.prefill_costs = dict(prefill_costs or {})
         self.fold = fold
-        self.fold_costs = dict(fold_costs or {})
+        self.call_costs = dict(call_costs or {})
+        self.prefill_stall = prefill_stall
         self.batching = batching
         self.overlap = overlap
         self.hooks: Any = hooks or NoHooks()
@@ -296,6 +302,12 @@ class Engine(Calls):
             widest_from_idle=self.widest_from_idle,
         )
         by_bucket = {r.bucket: r for r in self._resident}
+        if self.prefill_stall is not None and len(placed) > 1:
+            lengths = [
+                (p.bucket, prefill_positions(by_bucket[p.bucket], len(waiting[p.index].prompt)))
+                for p in placed
+            ]
+            placed = placed[: within_stall(lengths, self.call_costs, self.prefill_stall)]
         now = time.monotonic()
         out = []
         for p in placed:

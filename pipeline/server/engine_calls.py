@@ -76,7 +76,7 @@ class Calls:
     prefill_merge: int
     prefill_costs: dict[Bucket, Any]
     fold: str
-    fold_costs: dict[Bucket, Any]
+    call_costs: dict[Bucket, Any]
     _resident: list[Resident]
     _folds: dict[Bucket, tuple[int, list[tuple[int, Request, int]]]]
     _no_fold: set[Bucket]  # buckets whose mixed call failed at launch: they fold no more
@@ -209,7 +209,7 @@ class Calls:
             return None
         saving = None  # always: whatever the timings say
         if self.fold == "auto":
-            costs = self.fold_costs.get(res.bucket)
+            costs = self.call_costs.get(res.bucket)
             if costs is None or not costs.mixed:
                 return None
             saving = costs.fold_saving

@@ -27,6 +27,9 @@ class ServeOptions:
     port: int = 8000
     max_queue: int = 256
     max_prefills: int = 4  # prefills per iteration: each stalls the running rows
+    # the prefill work an iteration may admit, by the start-up timings: "auto" (STALL_STEPS
+    # of the slowest resident step), seconds, or "off" (max_prefills alone)
+    prefill_stall: float | str = "off"
     spill: bool = True  # a request may take a free slot of a longer bucket rather than wait
     overflow: bool = False  # open a smaller idle bucket beside a full running one
     widest_from_idle: bool = False  # several waiting, nothing running: open the widest
@@ -126,8 +129,10 @@ def make_engine(
     # the largest call the engine makes: max_prefills prompts (static fills a whole bucket)
     most = None if o.batching == "static" else o.max_prefills
     paced = o.launch_lead != "off" and o.overlap and o.batching != "static"
-    timed = auto or o.fold_prompts == "auto" or paced
+    stall = o.prefill_stall != "off" and o.batching != "static"
+    timed = auto or o.fold_prompts == "auto" or paced or stall
     costs = measure_all(model, list(resident), most) if timed else None
+    steps = bucket_steps(model, resident, costs or {}) if paced or stall else {}
     return Engine(
         model,
         resident,
@@ -140,21 +145,21 @@ def make_engine(
         prefill_merge=0 if auto else int(o.prefill_merge),
         prefill_costs=costs if auto else None,
         fold=o.fold_prompts,
-        fold_costs=costs,
+        call_costs=costs,
+        prefill_stall=stall_budget(o.prefill_stall, steps, costs) if stall else None,
         batching=o.batching,
         overlap=o.overlap,
         hooks=hooks,
-        pacer=make_pacer(model, resident, o.launch_lead, costs or {}) if paced else None,
+        pacer=make_pacer(steps, o.launch_lead, costs or {}) if paced else None,
         **more,
     )
 
 
-def make_pacer(
-    model: Any, resident: Sequence[Bucket], lead: float | str, costs: dict[Bucket, Any]
-) -> Pacer | None:
-    """The engine's launch clock (``pacing``), from each bucket's step timed at start-up
-    (``costs``' where it timed one) and its mixed calls; None where no bucket's slots
-    launch (neuron: nothing is queued ahead to hold)."""
+def bucket_steps(
+    model: Any, resident: Sequence[Bucket], costs: dict[Bucket, Any]
+) -> dict[Bucket, float]:
+    """Each resident bucket's step, timed at start-up (``costs``' where it timed one), for
+    the buckets whose slots launch (cpu/cuda; neuron's calls are not queued ahead)."""
     steps: dict[Bucket, float] = {}
     for bucket in resident:
         slots = model.slots(bucket)
@@ -164,6 +169,42 @@ def make_pacer(
         step = table.step if table is not None and table.step else measure_step(slots)
         if step:
             steps[bucket] = step
+    return steps
+
+
+# ``--prefill-stall auto``: an iteration's prefills may take this many of the slowest
+# resident step. On the H200 a b32 step is ~1.2 ms and the current replay's opening burst of
+# 32 short prompts costs 11.5-12 ms in its cheapest calls (bench/RESULTS.md, seventeenth
+# round): such a burst goes in at once, while prompts of a thousand tokens go a few at a
+# time.
+STALL_STEPS = 10
+
+
+def stall_budget(
+    value: float | str, steps: dict[Bucket, float], costs: dict[Bucket, Any] | None
+) -> float | None:
+    """``--prefill-stall`` in seconds: "auto" is ``STALL_STEPS`` of the slowest timed step;
+    None (the count alone) where no bucket's prefill calls or steps were timed (neuron: its
+    context encoding takes one prompt a call), with a line saying so."""
+    if not costs:
+        log.info("--prefill-stall: no prefill calls timed here; --max-prefills alone")
+        return None
+    if value != "auto":
+        return float(value)
+    if not steps:
+        log.info("--prefill-stall auto: no step timed here; --max-prefills alone")
+        return None
+    budget = STALL_STEPS * max(steps.values())
+    log.info("an iteration's prefills stall at most %.2fms (--prefill-stall auto)", budget * 1e3)
+    return budget
+
+
+def make_pacer(
+    steps: dict[Bucket, float], lead: float | str, costs: dict[Bucket, Any]
+) -> Pacer | None:
+    """The engine's launch clock (``pacing``), from each bucket's step timed at start-up
+    (``bucket_steps``) and its mixed calls; None where no bucket's slots launch (neuron:
+    nothing is queued ahead to hold)."""
     if not steps:
         return None
     log.info(
