@@ -11,7 +11,10 @@
 #   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more;
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
 #   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
-#   STAGES=pull SKIP_COMPILE=1 runs it alone)
+#   STAGES=pull SKIP_COMPILE=1 runs it alone). A compile cut short goes on at the next call
+#   (finished buckets are reused, the others start again): on an H100 host (2026-12-05) the
+#   six buckets of both releases had not all compiled in one call (b8_s256, b32_s256 and
+#   b32_s2048 still running at 530 s), so with little device time left, LONG_BATCHES='' first
 unset CXX  # the device image's wrapper breaks AOTInductor packages
 T0=$(date +%s); BUDGET=${BUDGET:-575}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
