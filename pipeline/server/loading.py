@@ -132,7 +132,9 @@ def make_engine(
     stall = o.prefill_stall != "off" and o.batching != "static"
     timed = auto or o.fold_prompts == "auto" or paced or stall
     costs = measure_all(model, list(resident), most) if timed else None
-    steps = bucket_steps(model, resident, costs or {}) if paced or stall else {}
+    # a fixed --prefill-stall needs no step; auto and the pacer are counted in steps
+    stepped = paced or (stall and o.prefill_stall == "auto")
+    steps = bucket_steps(model, resident, costs or {}) if stepped else {}
     return Engine(
         model,
         resident,

@@ -132,9 +132,8 @@ def within_stall(
     costed as each bucket's prompts in one call per prefill length (``costs``: a bucket's
     measured call cost by prompts and length), summed over the buckets: found in one pass,
     and no less than the cheapest split the engine then makes (``cheapest_prefills``) where
-    each length's prompts fit one call. A
-    bucket without a cost table adds nothing; the first placement always fits, so a prompt
-    dearer than the budget still goes in, alone."""
+    each length's prompts fit one call. A bucket without a cost table adds nothing; the
+    first placement always fits, so a prompt dearer than the budget still goes in, alone."""
     counts: dict[tuple[Bucket, int], int] = {}
     total = 0.0
     for i, key in enumerate(prefills):
