@@ -457,12 +457,16 @@ def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any
         "server_mean_itl_s": mean("inf2_serve_inter_token_latency_seconds"),
         # arrival at the front to the engine's first token, from the histogram's buckets:
         # beside the client's TTFT, what is spent delivering it (engine -> front -> client)
-        # and of that, waiting to be admitted (arrival at the front to the engine placing it)
+        # and of that, waiting to be admitted (arrival at the front to the engine placing it);
+        # the front's own ends: the route's start to arrival (admission), and arrival to the
+        # first token's event written to the socket (written - ttft: the front's delivery)
         **{
             f"server_{key}_p{round(q * 100)}_s": histogram_quantile(before, after, hist, q)
             for key, hist in (
                 ("ttft", "inf2_serve_time_to_first_token_seconds"),
                 ("queue", "inf2_serve_queue_time_seconds"),
+                ("admission", "inf2_serve_admission_seconds"),
+                ("written", "inf2_serve_time_to_first_token_written_seconds"),
             )
             for q in (0.5, 0.99)
         },
@@ -1111,17 +1115,19 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"  {name:<24} {r['concurrency']:>4}  {parts}  (wall {r['seconds']:.3f})")
     print(
         "\nTTFT p50 / p99 ms in each way: the server's (arrival at the front to the engine's "
-        "token; /metrics, interpolated in its buckets), of it the wait to be admitted, the "
-        "client's"
+        "token; /metrics, interpolated in its buckets), of it the wait to be admitted; the "
+        "front's admission before arrival (route to queue) and its first write after it "
+        "(arrival to the event on the socket); the client's"
     )
     for r in ways:
         name = labels.get(r["way"], r["way"])
-        server, queue, client = (
+        server, queue, admission, written, client = (
             " / ".join(_ms(r.get(f"{key}_p{q}_s")) for q in (50, 99))
-            for key in ("server_ttft", "server_queue", "ttft")
+            for key in ("server_ttft", "server_queue", "server_admission", "server_written", "ttft")
         )
         print(
-            f"  {name:<24} {r['concurrency']:>4}  server {server} (queue {queue}), client {client}"
+            f"  {name:<24} {r['concurrency']:>4}  server {server} (queue {queue}), admission "
+            f"{admission}, written {written}, client {client}"
         )
     timed = [r for r in ways if (r.get("device") or {}).get("calls")]
     if timed:

@@ -72,4 +72,18 @@ def test_the_first_token_histograms_resolve_milliseconds():
     fine = [b for b in ttft if b <= 0.03]
     assert fine[0] <= 0.001
     assert all(b - a <= 0.005 + 1e-9 for a, b in itertools.pairwise(fine))
+    coarse = [b for b in ttft if b <= 0.25]  # a long prompt's, or a loaded host's
+    assert all(b - a <= 0.05 + 1e-9 for a, b in itertools.pairwise(coarse))
     assert bounds("inf2_serve_queue_time_seconds") == ttft
+    assert bounds("inf2_serve_time_to_first_token_written_seconds") == ttft
+
+
+def test_every_metric_is_documented():
+    """docs/serve.md's table names every family /metrics exposes: one set of names."""
+    from pipeline.server.metrics import Metrics
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "serve.md").read_text()
+    names = [family.name for family in Metrics().registry.collect()]
+    assert len(names) > 15
+    for name in names:  # a counter's family is named without the _total it is exposed with
+        assert f"`{name}`" in doc or f"`{name}_total`" in doc, name

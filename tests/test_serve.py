@@ -229,14 +229,29 @@ def test_metrics_counters_move(server, client):
     assert delta(positions, bucket="b1_s32", phase="prefill", kind="padding") == 28
     assert delta(positions, bucket="b1_s32", phase="decode", kind="real") == 4
     assert delta(positions, bucket="b1_s32", phase="decode", kind="padding") == 0
-    for h in ("time_to_first_token", "queue_time", "request_duration"):
+    for h in ("time_to_first_token", "queue_time", "request_duration", "admission"):
         assert delta(f"inf2_serve_{h}_seconds_count") == 1, h
+    assert delta("inf2_serve_time_to_first_token_written_seconds_count") == 0  # not streamed
     assert delta("inf2_serve_inter_token_latency_seconds_count") == 4
     ttft = delta("inf2_serve_time_to_first_token_seconds_sum")
     assert 0 < ttft < delta("inf2_serve_request_duration_seconds_sum")
+    assert delta("inf2_serve_admission_seconds_sum") > 0
     assert metric(after, "inf2_serve_slots", bucket="b2_s64", state="free") == 2
     assert metric(after, "inf2_serve_queue_depth") == 0
     assert metric(after, "inf2_serve_ready") == 1
+
+    # streamed: the first token's write is timed too, after the engine had the token
+    stream = client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=3, stream=True)
+    assert sum(1 for _ in stream) >= 3
+    streamed = get(server.url + "/metrics")[1]
+
+    def since(name: str) -> float:
+        return metric(streamed, name) - metric(after, name)
+
+    assert since("inf2_serve_time_to_first_token_written_seconds_count") == 1
+    written = since("inf2_serve_time_to_first_token_written_seconds_sum")
+    assert since("inf2_serve_time_to_first_token_seconds_sum") < written
+    assert written < since("inf2_serve_request_duration_seconds_sum")
 
 
 def _wait_for_one_disconnect(server, before: str) -> str:

@@ -20,7 +20,16 @@ import pytest
 
 from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import Engine
-from pipeline.server.jobs import Closed, Failed, Finished, NoHooks, QueueFull, Request, Tokens
+from pipeline.server.jobs import (
+    Closed,
+    Failed,
+    Finished,
+    NoHooks,
+    QueueFull,
+    Request,
+    Tokens,
+    first_tokens_first,
+)
 from pipeline.server.metrics import Metrics
 from pipeline.server.placement import (
     BucketSlots,
@@ -620,6 +629,31 @@ def test_a_short_request_joins_a_running_long_one_and_finishes_first():
     # was done 35 steps before the long one's last
     assert m.steps_of(short.prompt) == [2, 3]
     assert m.steps_of(long.prompt) == list(range(39))
+
+
+def test_first_tokens_go_ahead_of_running_rows_each_request_in_its_own_order():
+    """The front writes one stream per event in the order they come: a batch's first tokens
+    go first (with what else their request has in it), everything else as it was."""
+    running, other, new, one, failed, two = (request([i], 8) for i in range(6))
+    running.produced, other.produced, new.produced, one.produced, two.produced = 7, 3, 1, 1, 2
+    out = [
+        (running, Tokens([5])),
+        (new, Tokens([1])),
+        (other, Tokens([3])),
+        (other, Finished("stop")),
+        (one, Tokens([9])),
+        (one, Finished("length")),
+        (failed, Failed("boom")),  # no token yet, and none coming: not a first token
+        (two, Tokens([4])),
+        (two, Tokens([6])),  # both its tokens in this batch: its first is here
+    ]
+    got = first_tokens_first(out)
+    assert got == [out[1], out[4], out[5], out[7], out[8], out[0], out[2], out[3], out[6]]
+    assert sorted(map(id, got)) == sorted(map(id, out))
+    only_first = [(new, Tokens([1])), (one, Tokens([9]))]
+    assert first_tokens_first(only_first) is only_first
+    none_first = [(running, Tokens([5])), (failed, Failed("boom"))]
+    assert first_tokens_first(none_first) is none_first
 
 
 def test_a_freed_slot_is_refilled_the_next_iteration():

@@ -81,15 +81,17 @@ def create_app(service: Service) -> FastAPI:
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
+        received = time.monotonic()
         job, req, prompt_len = await admit(service, await _body(service, request))
         wire = protocol.CompletionWire(protocol.new_id(), service.name, protocol.now())
-        return await _answer(service, request, job, req, wire, prompt_len)
+        return await _answer(service, request, job, req, wire, prompt_len, received)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        received = time.monotonic()
         job, req, prompt_len = await admit_chat(service, await _body(service, request))
         wire = chat.ChatWire(chat.new_id(), service.name, protocol.now())
-        return await _answer(service, request, job, req, wire, prompt_len)
+        return await _answer(service, request, job, req, wire, prompt_len, received)
 
     app.include_router(v1)
     return app
@@ -104,11 +106,19 @@ async def _body(service: Service, request: Request) -> Any:
 
 
 async def _answer(
-    service: Service, request: Request, job: Job, req: Any, wire: Any, prompt_len: int
+    service: Service,
+    request: Request,
+    job: Job,
+    req: Any,
+    wire: Any,
+    prompt_len: int,
+    received: float,
 ) -> Response:
     """The queued job's answer in the route's wire format: streamed as server-sent events,
-    or whole once it ends (a client that leaves first frees its slot)."""
+    or whole once it ends (a client that leaves first frees its slot). ``received``: when
+    the route began, for the admission's time."""
     text = TextStream(service.tokenizer, protocol.stop_list(req))
+    service.metrics.admission.observe(job.arrival - received)
     service.metrics.in_flight.inc()
     service.metrics.prompt_tokens.inc(prompt_len)
     if req.stream:
@@ -192,7 +202,7 @@ async def _sse(
     service: Service, job: Job, text: TextStream, wire: Any, prompt_len: int, include_usage: bool
 ) -> AsyncIterator[str]:
     n = 0
-    finished = False
+    finished = written = False
     try:
         head = wire.first()
         if head is not None:
@@ -204,6 +214,9 @@ async def _sse(
                 chunk = wire.chunk(delta, ids)
                 if chunk is not None:
                     yield _event(chunk)
+                    if not written:  # resumed: the server has handed the event to the socket
+                        written = True
+                        service.metrics.ttft_written.observe(time.monotonic() - job.arrival)
             else:
                 finished = True
                 _done(service, job, n, "ok")

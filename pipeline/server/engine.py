@@ -56,6 +56,7 @@ from pipeline.server.jobs import (
     NoHooks,
     QueueFull,
     Request,
+    first_tokens_first,
     put_events,
 )
 from pipeline.server.pacing import Pacer
@@ -118,7 +119,7 @@ class Engine(Calls):
             def deliver(items: list[tuple[Request, Event]]) -> None:
                 loop.call_soon_threadsafe(put_events, items)
 
-        self._send = deliver
+        self._send = lambda out: deliver(first_tokens_first(out))
         self.max_queue = max_queue
         self.max_prefills = max_prefills
         self.spill = spill

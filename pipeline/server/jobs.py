@@ -97,6 +97,25 @@ def sampling_args(reqs: list[Request]) -> tuple[Any, ...]:
     return ([r.sampling for r in reqs],)
 
 
+def first_tokens_first(out: list[tuple[Request, Event]]) -> list[tuple[Request, Event]]:
+    """A batch of events with the requests whose first token it holds moved ahead, each
+    request's own events in their order. Why: the HTTP front wakes one stream per event in
+    the order they come, and with 32 streams a step's events take it milliseconds to write
+    (bench/RESULTS.md, twentieth round); a running row's next token is as late by the few
+    first tokens put before it as a new request's first token would be by all of them."""
+    if len(out) < 2:
+        return out
+    got: dict[int, int] = {}  # tokens in this batch, by request
+    for req, event in out:
+        if isinstance(event, Tokens):
+            got[id(req)] = got.get(id(req), 0) + len(event.ids)
+    # every token it has produced is in this batch: its first is too
+    first = {id(r) for r, _ in out if r.produced == got.get(id(r), -1)}
+    if not first or len(first) == len(got):
+        return out
+    return [o for o in out if id(o[0]) in first] + [o for o in out if id(o[0]) not in first]
+
+
 def put_events(items: list[tuple[Request, Event]]) -> None:
     """Each event onto its request's queue (on the event loop)."""
     for r, event in items:

@@ -33,8 +33,11 @@ _PER_TOKEN = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 # too); long prefills on a slow device still land below the largest.
 _FIRST_TOKEN = (
     *(0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.025, 0.03),
-    *(0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+    *(0.04, 0.05, 0.06, 0.075, 0.1, 0.15, 0.2, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
 )
+# Admission (body read, checked, tokenized): a hundred microseconds for token ids, more for
+# a long text prompt, and as long as the event loop makes a new request wait when it is busy.
+_ADMISSION = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 class Metrics:
@@ -114,6 +117,23 @@ class Metrics:
         self.ttft = Histogram(
             "inf2_serve_time_to_first_token_seconds",
             "Arrival to first token",
+            buckets=_FIRST_TOKEN,
+            registry=r,
+        )
+        # the two ends of a first token outside the engine: before arrival, and after its
+        # token, until the front has written it (the client's TTFT minus these and the
+        # engine's is the network and the client)
+        self.admission = Histogram(
+            "inf2_serve_admission_seconds",
+            "The route's start to the request's arrival in the engine's queue (body read, "
+            "checked, tokenized)",
+            buckets=_ADMISSION,
+            registry=r,
+        )
+        self.ttft_written = Histogram(
+            "inf2_serve_time_to_first_token_written_seconds",
+            "Arrival to the first token's event written to the client's connection (streamed "
+            "answers)",
             buckets=_FIRST_TOKEN,
             registry=r,
         )
