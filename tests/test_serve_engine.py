@@ -654,6 +654,8 @@ def test_first_tokens_go_ahead_of_running_rows_each_request_in_its_own_order():
     assert first_tokens_first(only_first) is only_first
     none_first = [(running, Tokens([5])), (failed, Failed("boom"))]
     assert first_tokens_first(none_first) is none_first
+    behind_an_end = [(failed, Failed("boom")), (new, Tokens([1]))]  # an end is a write too
+    assert first_tokens_first(behind_an_end) == behind_an_end[::-1]
 
 
 def test_a_freed_slot_is_refilled_the_next_iteration():

@@ -111,8 +111,8 @@ def first_tokens_first(out: list[tuple[Request, Event]]) -> list[tuple[Request, 
             got[id(req)] = got.get(id(req), 0) + len(event.ids)
     # every token it has produced is in this batch: its first is too
     first = {id(r) for r, _ in out if r.produced == got.get(id(r), -1)}
-    if not first or len(first) == len(got):
-        return out
+    if not first or len(first) == len({id(r) for r, _ in out}):
+        return out  # nothing to move, or nothing to move past
     return [o for o in out if id(o[0]) in first] + [o for o in out if id(o[0]) not in first]
 
 
