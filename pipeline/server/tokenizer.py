@@ -32,17 +32,57 @@ def load_tokenizer(release_dir: Path) -> Any | None:
 # what a window of the last few tokens decodes to beyond what its start alone decodes to.
 CONTEXT_TOKENS = 6
 
+# transformers' flag that forces the space cleanup on BPE models, which it skips otherwise
+_FORCE_BPE_CLEANUP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+
+
+def stream_backend(tokenizer: Any) -> Any | None:
+    """The Rust tokenizer (``tokenizers.Tokenizer``) to step a ``DecodeStream`` with, when
+    what it streams is exactly ``tokenizer.decode(ids, skip_special_tokens=True)``; else None
+    (a slow tokenizer, a class with its own decode, a cleanup DecodeStream does not make).
+
+    A fast tokenizer's decode is the Rust tokenizer's, then, with
+    ``clean_up_tokenization_spaces``, a cleanup (" ." to ".", ...) that DecodeStream does not
+    do. transformers 5 skips that cleanup for BPE models unless forced
+    (transformers/tokenization_utils_tokenizers.py:1172-1197 in 5.25.0), so Llama 3's
+    tokenizer (BPE, cleanup set) streams. transformers 4 has no forcing flag and cleans
+    whenever the flag is set (tokenization_utils_fast.py:689 in 4.57.6), so there it does not.
+    """
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401 (older tokenizers lack it)
+        from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return None
+    cls = type(tokenizer)
+    if cls.decode is not PreTrainedTokenizerBase.decode:
+        return None
+    if cls._decode is not PreTrainedTokenizerFast._decode:  # Whisper's, say, does more
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        force = getattr(tokenizer, _FORCE_BPE_CLEANUP, None)
+        skipped = force is not None and not force and type(backend.model).__name__ == "BPE"
+        if not skipped:
+            return None
+    return backend
+
 
 class TextStream:
     """Token ids in, text deltas out; stops at the first stop string (which is not sent).
 
-    Text is decoded incrementally: each push decodes a window of ``CONTEXT_TOKENS`` tokens
-    before the new ones plus the new ones, and adds what that window decodes to beyond its
-    start (the offsets technique of vLLM's and TGI's detokenizers), so a long answer costs
-    the same per token as a short one instead of decoding every id again. A delta ending in
-    an incomplete character (U+FFFD: byte-level tokens can split one) is held back until the
-    next token completes it. With stop strings, the last ``len(longest) - 1`` characters
-    wait too, until it is clear they do not begin a stop string.
+    Text is decoded incrementally. With a fast tokenizer whose decode is the Rust
+    tokenizer's alone (``stream_backend``), ``tokenizers``' ``DecodeStream`` does it, in Rust
+    (a push costs a quarter of what windows cost). Otherwise each push decodes a window of
+    ``CONTEXT_TOKENS`` tokens before the new ones plus the new ones, and adds what that
+    window decodes to beyond its start (the offsets technique of vLLM's and TGI's
+    detokenizers, and DecodeStream's own), so a long answer costs the same per token as a
+    short one instead of decoding every id again. A delta ending in an incomplete character
+    (U+FFFD: byte-level tokens can split one) is held back until the next token completes
+    it. With stop strings, the last ``len(longest) - 1`` characters wait too, until it is
+    clear they do not begin a stop string.
     """
 
     def __init__(self, tokenizer: Any | None, stop: list[str]) -> None:
@@ -55,8 +95,17 @@ class TextStream:
         self.stopped = False
         self._prefix = 0  # the context window starts here ...
         self._read = 0  # ... and the ids not yet in ``text`` start here
+        self._backend = stream_backend(tokenizer) if tokenizer is not None else None
+        self._stream: Any = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=True)
+        self._given = 0  # ids handed to ``_stream``
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:  # the same text, without transformers' overhead
+            return self._backend.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _advance(self, final: bool = False) -> None:
@@ -64,12 +113,29 @@ class TextStream:
         (``final``: whatever it is, no more tokens come)."""
         if self._read == len(self.ids):
             return
+        # at the end, a window decodes what the stream still holds (an incomplete character)
+        if self._stream is not None and not final:
+            try:
+                new = self._stream.step(self._backend, self.ids[self._given :])
+            except Exception:
+                # it refuses text that changes what it gave (a decoder that looks further
+                # back than its window): windows from here on, which look further back
+                self._stream = None
+            else:
+                self._given = len(self.ids)
+                if new is not None:
+                    self._took(new)
+                return
         before = self._decode(self.ids[self._prefix : self._read])
         after = self._decode(self.ids[self._prefix :])
         if final or (len(after) > len(before) and not after.endswith("\ufffd")):
-            self.text += after[len(before) :]
-            self._prefix = max(0, len(self.ids) - CONTEXT_TOKENS)
-            self._read = len(self.ids)
+            self._took(after[len(before) :])
+
+    def _took(self, new: str) -> None:
+        """``new``: the text of the ids up to the last; the next window starts before it."""
+        self.text += new
+        self._prefix = max(0, len(self.ids) - CONTEXT_TOKENS)
+        self._read = len(self.ids)
 
     def push(self, ids: list[int]) -> str:
         """The new text to send; sets ``stopped`` when a stop string appeared."""
@@ -79,11 +145,12 @@ class TextStream:
         self.ids += ids
         self._advance()
         text = self.text
-        # a stop string cannot begin in what was sent: that much was held back for it
-        hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            return self._take(min(hits))
+        if self.stop:
+            # a stop string cannot begin in what was sent: that much was held back for it
+            hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                return self._take(min(hits))
         return self._take(len(text) - self.hold)
 
     def flush(self) -> str:

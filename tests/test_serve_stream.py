@@ -1,0 +1,239 @@
+"""The front's per-token path: ``TextStream`` on tokenizers' ``DecodeStream`` where that
+decodes exactly as the tokenizer does, and on windows of ids elsewhere.
+
+Every tokenizer is built here (no hub): the tiny checkpoint's Metaspace BPE, a byte-level
+BPE whose characters split over tokens, a Llama 2 style byte-fallback BPE and WordPiece, with
+and without transformers' ``clean_up_tokenization_spaces``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from pipeline.server.tokenizer import TextStream, stream_backend
+
+CORPUS = [
+    "Grüße aus Köln, 東京 und São Paulo! 🚀 naïve café — ok 漢字 😀👍🏽 élan",
+    "plain ascii words here. Don't , it's ok ? I 'm fine ! a . b",
+] * 3
+SPECIAL = "<|end|>"
+
+
+def _byte_level(**kwargs: Any) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=alphabet, special_tokens=[SPECIAL], show_progress=False
+    )
+    bpe.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=SPECIAL, **kwargs)
+
+
+def _byte_fallback() -> Any:
+    """Llama 2's shape: ``<0xNN>`` tokens for what the vocabulary lacks."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    bpe.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    special = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256))]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special, show_progress=False)
+    bpe.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def _word_piece(**kwargs: Any) -> Any:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    wp = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wp.normalizer = normalizers.BertNormalizer()
+    wp.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wp.decoder = decoders.WordPiece()
+    special = ["[UNK]", "[CLS]", "[SEP]"]
+    trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=special, show_progress=False)
+    wp.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=wp, unk_token="[UNK]", **kwargs)
+
+
+class Windows:
+    """A tokenizer with a decode and nothing else (as a slow one): only windows decode it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+FORCE = {"clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True}
+# name: (tokenizer, whether DecodeStream decodes it)
+BUILDERS = {
+    "byte-level": (_byte_level, True),
+    # transformers 5 skips the cleanup for BPE, so what DecodeStream gives stays exact
+    "byte-level, cleanup set": (lambda: _byte_level(clean_up_tokenization_spaces=True), True),
+    "byte-level, cleanup forced": (
+        lambda: _byte_level(clean_up_tokenization_spaces=True, **FORCE),
+        False,
+    ),
+    "byte-fallback": (_byte_fallback, True),
+    "wordpiece": (_word_piece, True),
+    "wordpiece, cleanup set": (lambda: _word_piece(clean_up_tokenization_spaces=True), False),
+    "decode only": (lambda: Windows(_byte_level()), False),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, bool]]:
+    from transformers import AutoTokenizer
+
+    from pipeline.tiny_model import write_tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    write_tiny_tokenizer(out, 256)
+    built = {"metaspace": (AutoTokenizer.from_pretrained(str(out)), True)}
+    return built | {name: (make(), streams) for name, (make, streams) in BUILDERS.items()}
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def _stream(tok: Any, ids: list[int], sizes: Any, stop: list[str] | None = None) -> list[str]:
+    t = TextStream(tok, stop or [])
+    out, at = [], 0
+    while at < len(ids):
+        n = sizes()
+        out.append(t.push(ids[at : at + n]))
+        at += n
+    return [*out, t.flush()]
+
+
+def _random_ids(rng: random.Random, vocab: int, specials: list[int]) -> list[int]:
+    """Any ids, a few of them special (skipped in the text)."""
+    ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 90))]
+    for _ in range(rng.randrange(3)):
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(specials))
+    return ids
+
+
+@pytest.mark.parametrize(
+    "name", ["metaspace", "byte-level", "byte-level, cleanup set", "byte-fallback", "wordpiece"]
+)
+def test_decode_stream_deltas_add_up_to_the_whole_decode(tokenizers, name, monkeypatch):
+    """Random ids, one at a time or several, special ones among them: the deltas add up to
+    decoding every id at once, no delta shows half a character, and pushes decode no
+    window (DecodeStream does all of it)."""
+    tok, streams = tokenizers[name]
+    assert streams and stream_backend(tok) is tok._tokenizer
+    windows = 0
+    decode = TextStream._decode
+
+    def counted(self: TextStream, ids: list[int]) -> str:
+        nonlocal windows
+        windows += 1
+        return decode(self, ids)
+
+    monkeypatch.setattr(TextStream, "_decode", counted)
+    rng = random.Random(name)
+    specials = list(tok.all_special_ids)
+    for trial in range(150):
+        ids = _random_ids(rng, len(tok), specials)
+        t = TextStream(tok, [])
+        out, windows = [], 0
+        for at in range(len(ids)):
+            piece = t.push([ids[at]])
+            assert not piece.endswith("\ufffd"), (trial, piece)
+            out.append(piece)
+        assert windows == 0, trial  # (a flush may decode what DecodeStream still holds)
+        assert "".join(out) + t.flush() == _decode(tok, ids), trial
+        sizes = lambda: rng.choice((1, 2, 3, 7))  # noqa: E731
+        assert "".join(_stream(tok, ids, sizes)) == _decode(tok, ids), trial
+
+
+def test_text_that_splits_characters_streams_whole_characters(tokenizers):
+    """é, 漢字 and emoji over several byte-level tokens each: each delta holds whole ones."""
+    tok, _ = tokenizers["byte-level"]
+    text = "élan 漢字😀👍🏽 Grüße, naïve café; 東京🚀🚀 ok"
+    ids = tok(text, add_special_tokens=False).input_ids
+    assert len(ids) > len(text) // 2  # several tokens for some characters
+    pieces = _stream(tok, ids, lambda: 1)
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize(
+    "name, text",
+    [
+        ("byte-level, cleanup set", "ok . ok , it 's"),
+        ("byte-level, cleanup forced", "ok . ok , it 's"),
+        ("wordpiece, cleanup set", "don ' t"),
+        ("wordpiece", "don ' t"),
+    ],
+)
+def test_decode_stream_only_where_decode_is_the_rust_tokenizers(tokenizers, name, text):
+    """What ``stream_backend`` rests on: DecodeStream streams the Rust tokenizer's decode,
+    which transformers' decode is unless it cleans up spaces. This transformers leaves the
+    cleanup out for BPE although the config asks for it (as Llama 3's does), so " ." stays;
+    forced, or for WordPiece, the cleanup happens (" ' " becomes "'"), and the stream
+    decodes windows instead."""
+    tok, streams = tokenizers[name]
+    ids = tok(text, add_special_tokens=False).input_ids
+    rust = tok._tokenizer.decode(ids, skip_special_tokens=True)
+    assert " ." in rust or " ' " in rust  # text the cleanup would change
+    assert (_decode(tok, ids) == rust) is streams
+    assert (stream_backend(tok) is not None) is streams
+
+
+@pytest.mark.parametrize("name", sorted(["metaspace", *BUILDERS]))
+def test_each_push_gives_what_the_windows_give(tokenizers, name):
+    """On every tokenizer, the stream path or not: each push and the flush give what decoding
+    windows gives (the text before DecodeStream), stop strings and ``stopped`` included."""
+    tok, streams = tokenizers[name]
+    assert (stream_backend(tok) is not None) is streams
+    plain = tok if isinstance(tok, Windows) else Windows(tok)
+    rng = random.Random(name)
+    specials = list(plain.tokenizer.all_special_ids)
+    for trial in range(60):
+        ids = _random_ids(rng, len(plain.tokenizer), specials)
+        stop = rng.choice([[], ["e"], ["ok", "é "], ["漢", ". "]])
+        got, want = TextStream(tok, stop), TextStream(plain, stop)
+        for i in ids:
+            assert got.push([i]) == want.push([i]), trial
+        assert (got.flush(), got.stopped) == (want.flush(), want.stopped), trial
+
+
+def test_a_decoder_decode_stream_refuses_goes_on_in_windows():
+    """A decoder that rewrites text it gave for a later token (here "ab" becomes "X"):
+    DecodeStream raises mid-stream, and the stream goes on decoding windows, as it would
+    have from the start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    word = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    word.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    word.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "X")])
+    tok = PreTrainedTokenizerFast(tokenizer_object=word)
+    assert stream_backend(tok) is not None
+    ids = [2, 0, 1, 2, 0, 2, 1]
+    got, want = TextStream(tok, []), TextStream(Windows(tok), [])
+    pushed = [(got.push([i]), want.push([i])) for i in ids]
+    assert all(a == b for a, b in pushed) and got.flush() == want.flush()
+    assert got._stream is None  # it did refuse
