@@ -1,5 +1,6 @@
 """The front's per-token path: ``TextStream`` on tokenizers' ``DecodeStream`` where that
-decodes exactly as the tokenizer does, and on windows of ids elsewhere.
+decodes exactly as the tokenizer does, and on windows of ids elsewhere; the chunk events
+from a per-stream template, byte for byte the JSON of the wire's dict.
 
 Every tokenizer is built here (no hub): the tiny checkpoint's Metaspace BPE, a byte-level
 BPE whose characters split over tokens, a Llama 2 style byte-fallback BPE and WordPiece, with
@@ -8,11 +9,13 @@ and without transformers' ``clean_up_tokenization_spaces``.
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
 import pytest
 
+from pipeline.server import chat, protocol
 from pipeline.server.tokenizer import TextStream, stream_backend
 
 CORPUS = [
@@ -237,3 +240,35 @@ def test_a_decoder_decode_stream_refuses_goes_on_in_windows():
     pushed = [(got.push([i]), want.push([i])) for i in ids]
     assert all(a == b for a, b in pushed) and got.flush() == want.flush()
     assert got._stream is None  # it did refuse
+
+
+# --- chunk events ----------------------------------------------------------------------
+
+TEXTS = [
+    "",
+    "plain",
+    'say "hi"',
+    "back\\slash",
+    "new\nline\r\t",
+    "é漢字😀",
+    "\x00\x1f\u2028",
+    "\ufffd",
+]
+IDS = [[], [0], [5], [1, 22, 333], [2**31 + 7]]
+MODELS = ["tiny-llama", 'odd "name" \\ é', "\x00text\x00", "\x00ids\x00"]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_chunk_events_are_the_dicts_json_byte_for_byte(model):
+    """Each wire's ``chunk_event`` is exactly ``data: json.dumps(chunk)`` (None where the
+    chunk is), for awkward text and ids, and model names that hold the template's stand-ins."""
+    wires = [
+        protocol.CompletionWire(protocol.new_id(), model, 1765000000),
+        chat.ChatWire(chat.new_id(), model, 1765000000),
+    ]
+    for wire in wires:
+        for text in TEXTS:
+            for ids in IDS:
+                chunk = wire.chunk(text, ids)
+                want = None if chunk is None else f"data: {json.dumps(chunk)}\n\n"
+                assert wire.chunk_event(text, ids) == want, (type(wire), text, ids)

@@ -206,35 +206,31 @@ async def _sse(
     try:
         head = wire.first()
         if head is not None:
-            yield _event(head)
+            yield protocol.sse(head)
         async for kind, value in _tokens(service, job, text):
             if kind == "text":
                 delta, ids = value
                 n += len(ids)
-                chunk = wire.chunk(delta, ids)
-                if chunk is not None:
-                    yield _event(chunk)
+                event = wire.chunk_event(delta, ids)
+                if event is not None:
+                    yield event
                     if not written:  # resumed: the server has handed the event to the socket
                         written = True
                         service.metrics.ttft_written.observe(time.monotonic() - job.arrival)
             else:
                 finished = True
                 _done(service, job, n, "ok")
-                yield _event(wire.last(value))
+                yield protocol.sse(wire.last(value))
                 if include_usage:
-                    yield _event(wire.usage_chunk(protocol.usage(prompt_len, n)))
+                    yield protocol.sse(wire.usage_chunk(protocol.usage(prompt_len, n)))
                 yield "data: [DONE]\n\n"
     except ApiError as e:
         finished = True
         _done(service, job, n, "error")
-        yield _event(e.body())
+        yield protocol.sse(e.body())
     finally:
         if not finished:  # the client went away mid-stream (the generator was closed)
             _gone(service, job)
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data)}\n\n"
 
 
 def _done(service: Service, job: Job, tokens: int, outcome: str) -> None:

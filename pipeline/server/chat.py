@@ -9,12 +9,13 @@ an answer here equals the checkpoint's greedy ``generate`` on that prompt.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
-from pipeline.server.protocol import ApiError, CommonFields, check_fields
+from pipeline.server.protocol import ApiError, ChunkEvents, CommonFields, check_fields
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -162,6 +163,14 @@ class ChatWire:
 
     def chunk(self, text: str, ids: list[int]) -> dict[str, Any] | None:
         return self._delta({"content": text}, None) if text else None
+
+    def chunk_event(self, text: str, ids: list[int]) -> str | None:
+        """``protocol.sse(self.chunk(text, ids))``, from this stream's template."""
+        return self._events.fill(text, ids) if text else None
+
+    @functools.cached_property
+    def _events(self) -> ChunkEvents:
+        return ChunkEvents(self.chunk)
 
     def last(self, reason: str) -> dict[str, Any]:
         return self._delta({}, reason)

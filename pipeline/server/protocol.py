@@ -8,10 +8,13 @@ says so, never silently ignored.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, ValidationError
@@ -212,6 +215,40 @@ def completion(
     return out
 
 
+def sse(data: dict[str, Any]) -> str:
+    """``data`` as one server-sent event."""
+    return f"data: {json.dumps(data)}\n\n"
+
+
+# json.dumps(text) of a str, without dumps' own checks: what dumps calls for one
+_json_str = json.encoder.encode_basestring_ascii
+# stand-ins for a chunk's text and ids: JSON escapes the NULs, so no dumped text is one
+_TEXT, _IDS = "\0text\0", "\0ids\0"
+
+
+class ChunkEvents:
+    """``sse(chunk(text, ids))`` for one stream's chunks, which differ only in their text
+    and ids: the rest is dumped once, from ``chunk`` itself (so the wire's dict stays the
+    one format), and each chunk fills in its text's JSON and its ids (if ``chunk`` sends
+    them)."""
+
+    def __init__(self, chunk: Callable[[Any, Any], dict[str, Any] | None]) -> None:
+        data = chunk(_TEXT, _IDS)
+        assert data is not None
+        # the text comes after the id and model, which could hold a stand-in: the last one
+        self.head, text, rest = sse(data).rpartition(_json_str(_TEXT))
+        mid, ids, tail = rest.partition(_json_str(_IDS))
+        assert text, "the chunk holds no text"
+        self.mid: str | None = mid if ids else None
+        self.tail = tail if ids else mid
+
+    def fill(self, text: str, ids: list[int]) -> str:
+        if self.mid is None:
+            return f"{self.head}{_json_str(text)}{self.tail}"
+        # an int's str is its JSON
+        return f"{self.head}{_json_str(text)}{self.mid}[{', '.join(map(str, ids))}]{self.tail}"
+
+
 class CompletionWire:
     """Responses and streamed chunks of one text completion (see ``chat.ChatWire``)."""
 
@@ -225,6 +262,14 @@ class CompletionWire:
         if not (text or ids):
             return None
         return completion(self.rid, self.model, self.created, text, ids, None)
+
+    def chunk_event(self, text: str, ids: list[int]) -> str | None:
+        """``sse(self.chunk(text, ids))``, from this stream's template."""
+        return self._events.fill(text, ids) if text or ids else None
+
+    @functools.cached_property
+    def _events(self) -> ChunkEvents:
+        return ChunkEvents(self.chunk)
 
     def last(self, reason: str) -> dict[str, Any]:
         return completion(self.rid, self.model, self.created, "", [], reason)
