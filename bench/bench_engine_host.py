@@ -4,7 +4,7 @@ measured step and prefill times), under ``bench_serve.py``'s replay and clients,
 machine. No GPU: the figures say how much of the device the host keeps busy.
 
     python bench/bench_engine_host.py [--buckets b1_s256,b8_s256,b32_s256] [--concurrency 32] \\
-        [--way serve= --way coalesce=--coalesce ...] [--timings FILE] [--json FILE]
+        [--rate R] [--way serve= --way coalesce=--coalesce ...] [--timings FILE] [--json FILE]
 
 Baselines, same run: the replay's ceiling on the simulated device (every prefill alone plus
 every other token at the largest batch's step per row, as bench_serve.py computes it from
@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_serve import (  # noqa: E402
     TRACES,
     _ms,
+    poisson_arrivals,
     replay,
     scrape,
     server_figures,
@@ -109,7 +110,10 @@ def run_way(
         url = server.wait_ready(120)
         replay(url, model.dir.name, work[: args.concurrency], args.concurrency, 60)  # warm
         before = scrape(url)
-        wall, answers, errors = replay(url, model.dir.name, work, args.concurrency, 120)
+        due = poisson_arrivals(len(work), args.rate, args.seed) if args.rate else None
+        wall, answers, errors = replay(
+            url, model.dir.name, work, args.concurrency, 120, arrivals=due
+        )
         after = scrape(url)
     busy = metric(after, BUSY) - metric(before, BUSY)
     server_side = server_figures(before, after, [b.name for b in model.buckets])
@@ -147,6 +151,12 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--scale-to", type=int, metavar="SEQ")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="open loop: requests arrive as a Poisson process of this many a second, sent "
+        "from --concurrency connections (bench_serve.py's --rate); default: closed loop",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="runs of each way, interleaved")
     ap.add_argument(
         "--way",
@@ -187,6 +197,7 @@ def main() -> None:
         "timings": timings.__dict__,
         "requests": len(work),
         "concurrency": args.concurrency,
+        "arrivals": f"open loop, Poisson at {args.rate}/s" if args.rate else "closed loop",
         "output_tokens": tokens,
         "ceiling_s": ceiling_s,
         "ceiling_tokens_per_s": tokens / ceiling_s,

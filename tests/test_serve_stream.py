@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pipeline.server import chat, protocol
-from pipeline.server.tokenizer import TextStream, stream_backend
+from pipeline.server.tokenizer import TextStream, cleanup, stream_backend
 
 CORPUS = [
     "Grüße aus Köln, 東京 und São Paulo! 🚀 naïve café — ok 漢字 😀👍🏽 élan",
@@ -88,20 +88,22 @@ class Windows:
 
 
 FORCE = {"clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True}
-# name: (tokenizer, whether DecodeStream decodes it)
+# name: (tokenizer, whether DecodeStream decodes it, before any cleanup)
 BUILDERS = {
     "byte-level": (_byte_level, True),
     # transformers 5 skips the cleanup for BPE, so what DecodeStream gives stays exact
     "byte-level, cleanup set": (lambda: _byte_level(clean_up_tokenization_spaces=True), True),
     "byte-level, cleanup forced": (
         lambda: _byte_level(clean_up_tokenization_spaces=True, **FORCE),
-        False,
+        True,
     ),
     "byte-fallback": (_byte_fallback, True),
     "wordpiece": (_word_piece, True),
-    "wordpiece, cleanup set": (lambda: _word_piece(clean_up_tokenization_spaces=True), False),
+    "wordpiece, cleanup set": (lambda: _word_piece(clean_up_tokenization_spaces=True), True),
     "decode only": (lambda: Windows(_byte_level()), False),
 }
+# the tokenizers whose decode cleans up spaces
+CLEANED = ("byte-level, cleanup forced", "wordpiece, cleanup set")
 
 
 @pytest.fixture(scope="module")
@@ -139,12 +141,14 @@ def _random_ids(rng: random.Random, vocab: int, specials: list[int]) -> list[int
 
 
 @pytest.mark.parametrize(
-    "name", ["metaspace", "byte-level", "byte-level, cleanup set", "byte-fallback", "wordpiece"]
+    "name",
+    ["metaspace", "byte-level", "byte-level, cleanup set", "byte-fallback", "wordpiece", *CLEANED],
 )
 def test_decode_stream_deltas_add_up_to_the_whole_decode(tokenizers, name, monkeypatch):
     """Random ids, one at a time or several, special ones among them: the deltas add up to
-    decoding every id at once, no delta shows half a character, and pushes decode no
-    window (DecodeStream does all of it)."""
+    decoding every id at once (its space cleanup included), what was sent is always the
+    start of that (no half character), and pushes decode no window (DecodeStream does all
+    of it)."""
     tok, streams = tokenizers[name]
     assert streams and stream_backend(tok) is tok._tokenizer
     windows = 0
@@ -160,12 +164,12 @@ def test_decode_stream_deltas_add_up_to_the_whole_decode(tokenizers, name, monke
     specials = list(tok.all_special_ids)
     for trial in range(150):
         ids = _random_ids(rng, len(tok), specials)
+        whole = _decode(tok, ids)
         t = TextStream(tok, [])
         out, windows = [], 0
         for at in range(len(ids)):
-            piece = t.push([ids[at]])
-            assert not piece.endswith("\ufffd"), (trial, piece)
-            out.append(piece)
+            out.append(t.push([ids[at]]))
+            assert whole.startswith("".join(out)), trial  # no half character, nothing undone
         assert windows == 0, trial  # (a flush may decode what DecodeStream still holds)
         assert "".join(out) + t.flush() == _decode(tok, ids), trial
         sizes = lambda: rng.choice((1, 2, 3, 7))  # noqa: E731
@@ -191,24 +195,26 @@ def test_text_that_splits_characters_streams_whole_characters(tokenizers):
         ("wordpiece", "don ' t"),
     ],
 )
-def test_decode_stream_only_where_decode_is_the_rust_tokenizers(tokenizers, name, text):
-    """What ``stream_backend`` rests on: DecodeStream streams the Rust tokenizer's decode,
-    which transformers' decode is unless it cleans up spaces. This transformers leaves the
-    cleanup out for BPE although the config asks for it (as Llama 3's does), so " ." stays;
-    forced, or for WordPiece, the cleanup happens (" ' " becomes "'"), and the stream
-    decodes windows instead."""
-    tok, streams = tokenizers[name]
+def test_the_cleanup_is_applied_where_decode_applies_it(tokenizers, name, text):
+    """What ``cleanup`` rests on: transformers' decode is the Rust tokenizer's, then its
+    space cleanup where it applies. This transformers leaves the cleanup out for BPE
+    although the config asks for it (as Llama 3's does), so " ." stays; forced, or for
+    WordPiece, the cleanup happens (" ' " becomes "'"), and the stream cleans too."""
+    tok, _ = tokenizers[name]
     ids = tok(text, add_special_tokens=False).input_ids
     rust = tok._tokenizer.decode(ids, skip_special_tokens=True)
     assert " ." in rust or " ' " in rust  # text the cleanup would change
-    assert (_decode(tok, ids) == rust) is streams
-    assert (stream_backend(tok) is not None) is streams
+    assert (_decode(tok, ids) == rust) is (name not in CLEANED)
+    assert (cleanup(tok) is None) is (name not in CLEANED)
+    assert stream_backend(tok) is tok._tokenizer
+    assert "".join(_stream(tok, ids, lambda: 1)) == _decode(tok, ids)
 
 
-@pytest.mark.parametrize("name", sorted(["metaspace", *BUILDERS]))
+@pytest.mark.parametrize("name", sorted({"metaspace", *BUILDERS} - set(CLEANED)))
 def test_each_push_gives_what_the_windows_give(tokenizers, name):
-    """On every tokenizer, the stream path or not: each push and the flush give what decoding
-    windows gives (the text before DecodeStream), stop strings and ``stopped`` included."""
+    """On every tokenizer that does not clean spaces, the stream path or not: each push and
+    the flush give what decoding windows gives (the text before DecodeStream), stop strings
+    and ``stopped`` included."""
     tok, streams = tokenizers[name]
     assert (stream_backend(tok) is not None) is streams
     plain = tok if isinstance(tok, Windows) else Windows(tok)
@@ -221,6 +227,43 @@ def test_each_push_gives_what_the_windows_give(tokenizers, name):
         for i in ids:
             assert got.push([i]) == want.push([i]), trial
         assert (got.flush(), got.stopped) == (want.flush(), want.stopped), trial
+
+
+@pytest.mark.parametrize("path", ["DecodeStream", "windows"])
+@pytest.mark.parametrize("name", CLEANED)
+def test_a_cleaned_stream_is_the_whole_decode_and_sends_nothing_it_takes_back(
+    tokenizers, name, path, monkeypatch
+):
+    """Where decode cleans up spaces, a pattern can span two pushes (" '" then "s" is
+    "'s"): cleaning each window apart lost text. On either path, what was sent is always
+    the start of the whole decode (nothing sent is taken back), and the deltas add up to
+    it, stop strings included."""
+    tok, _ = tokenizers[name]
+    if path == "windows":
+        monkeypatch.setattr("pipeline.server.tokenizer.stream_backend", lambda t: None)
+    ids = tok("it 's ok . don ' t , it ' s", add_special_tokens=False).input_ids
+    assert "".join(_stream(tok, ids, lambda: 1)) == _decode(tok, ids) == "it's ok. don't, it's"
+    rng = random.Random(name + path)
+    vocab = {i for i in range(len(tok))} - set(tok.all_special_ids)
+    # the ids of spaces, quotes and the letters cleanup patterns hold, so they come often
+    parts = [i for i in sorted(vocab) if set(_decode(tok, [i]).strip()) <= set("'.,?!ntsmvre")]
+    for trial in range(200):
+        ids = [rng.choice(parts) if rng.random() < 0.7 else rng.randrange(len(tok))]
+        ids += [
+            rng.choice(parts) if rng.random() < 0.7 else rng.randrange(len(tok))
+            for _ in range(rng.randrange(1, 40))
+        ]
+        whole = _decode(tok, ids)
+        t, sent = TextStream(tok, []), ""
+        for i in ids:
+            sent += t.push([i])
+            assert whole.startswith(sent), trial
+        assert sent + t.flush() == whole, trial
+        stop = rng.choice(["'s", " ok", "n't"])
+        cut = whole.find(stop)
+        t = TextStream(tok, [stop])
+        got = "".join(t.push([i]) for i in ids) + t.flush()
+        assert got == (whole if cut < 0 else whole[:cut]) and t.stopped is (cut >= 0), trial
 
 
 def test_a_decoder_decode_stream_refuses_goes_on_in_windows():

@@ -172,7 +172,7 @@ async def _tokens(service: Service, job: Job, text: TextStream) -> AsyncIterator
                 return
         elif isinstance(event, Finished):
             yield "text", (text.flush(), [])
-            yield "done", event.reason
+            yield "done", "stop" if text.stopped else event.reason  # a stop in the held text
             return
         else:
             assert isinstance(event, Failed)

@@ -34,20 +34,34 @@ CONTEXT_TOKENS = 6
 
 # transformers' flag that forces the space cleanup on BPE models, which it skips otherwise
 _FORCE_BPE_CLEANUP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+# How far back in the cleaned text one more character can change it: every cleanup pattern
+# starts with a space and is at most 4 long, and " ' " then " n't" chain (" n ' t" is
+# "n't", though " n '" was itself). The longest reach an exhaustive search over strings of
+# up to 7 such characters found is 4; the text this close to its end waits.
+CLEANUP_REACH = 6
+
+
+def cleanup(tokenizer: Any) -> Any | None:
+    """``tokenizer.clean_up_tokenization`` when its ``decode`` applies it (" ." to ".", " 's"
+    to "'s", ...), else None. transformers 5 skips it for BPE models unless forced
+    (transformers/tokenization_utils_tokenizers.py:1172-1197 in 5.25.0), so Llama 3's
+    tokenizer, which asks for it, is not cleaned there; transformers 4, which the Neuron
+    environment pins, has no forcing flag and cleans whenever the flag is set
+    (tokenization_utils_fast.py:689 in 4.57.6)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    force = getattr(tokenizer, _FORCE_BPE_CLEANUP, None)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    model = type(getattr(backend, "model", None)).__name__
+    if force is not None and not force and model == "BPE":
+        return None
+    return tokenizer.clean_up_tokenization
 
 
 def stream_backend(tokenizer: Any) -> Any | None:
     """The Rust tokenizer (``tokenizers.Tokenizer``) to step a ``DecodeStream`` with, when
-    what it streams is exactly ``tokenizer.decode(ids, skip_special_tokens=True)``; else None
-    (a slow tokenizer, a class with its own decode, a cleanup DecodeStream does not make).
-
-    A fast tokenizer's decode is the Rust tokenizer's, then, with
-    ``clean_up_tokenization_spaces``, a cleanup (" ." to ".", ...) that DecodeStream does not
-    do. transformers 5 skips that cleanup for BPE models unless forced
-    (transformers/tokenization_utils_tokenizers.py:1172-1197 in 5.25.0), so Llama 3's
-    tokenizer (BPE, cleanup set) streams. transformers 4 has no forcing flag and cleans
-    whenever the flag is set (tokenization_utils_fast.py:689 in 4.57.6), so there it does not.
-    """
+    what it streams is ``tokenizer.decode(ids, skip_special_tokens=True)`` before any space
+    cleanup (``cleanup``); else None (a slow tokenizer, a class with its own decode)."""
     try:
         from tokenizers import Tokenizer
         from tokenizers.decoders import DecodeStream  # noqa: F401 (older tokenizers lack it)
@@ -62,11 +76,6 @@ def stream_backend(tokenizer: Any) -> Any | None:
         return None
     if cls._decode is not PreTrainedTokenizerFast._decode:  # Whisper's, say, does more
         return None
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        force = getattr(tokenizer, _FORCE_BPE_CLEANUP, None)
-        skipped = force is not None and not force and type(backend.model).__name__ == "BPE"
-        if not skipped:
-            return None
     return backend
 
 
@@ -74,15 +83,18 @@ class TextStream:
     """Token ids in, text deltas out; stops at the first stop string (which is not sent).
 
     Text is decoded incrementally. With a fast tokenizer whose decode is the Rust
-    tokenizer's alone (``stream_backend``), ``tokenizers``' ``DecodeStream`` does it, in Rust
+    tokenizer's (``stream_backend``), ``tokenizers``' ``DecodeStream`` does it, in Rust
     (a push costs a quarter of what windows cost). Otherwise each push decodes a window of
     ``CONTEXT_TOKENS`` tokens before the new ones plus the new ones, and adds what that
     window decodes to beyond its start (the offsets technique of vLLM's and TGI's
     detokenizers, and DecodeStream's own), so a long answer costs the same per token as a
     short one instead of decoding every id again. A delta ending in an incomplete character
     (U+FFFD: byte-level tokens can split one) is held back until the next token completes
-    it. With stop strings, the last ``len(longest) - 1`` characters wait too, until it is
-    clear they do not begin a stop string.
+    it. Where the tokenizer's decode cleans up spaces (``cleanup``), the raw text is
+    streamed so and cleaned as a whole, and its last ``CLEANUP_REACH`` characters wait
+    (cleaning windows apart loses text: " '" then "s" is "'s", not " 's" cut after " '").
+    With stop strings, the last ``len(longest) - 1`` characters wait too, until it is clear
+    they do not begin a stop string.
     """
 
     def __init__(self, tokenizer: Any | None, stop: list[str]) -> None:
@@ -90,13 +102,16 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
-        self.text = ""  # everything decoded so far
+        self.raw = ""  # everything decoded so far, before any cleanup
+        self.text = ""  # ... and as the tokenizer's decode gives it
         self.sent = 0  # characters of ``text`` already given out
         self.stopped = False
         self._prefix = 0  # the context window starts here ...
         self._read = 0  # ... and the ids not yet in ``text`` start here
-        self._backend = stream_backend(tokenizer) if tokenizer is not None else None
-        self._stream: Any = None
+        self._backend = self._clean = self._stream = None
+        if tokenizer is not None:
+            self._clean = cleanup(tokenizer)
+            self._backend = stream_backend(tokenizer)
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
@@ -104,8 +119,13 @@ class TextStream:
         self._given = 0  # ids handed to ``_stream``
 
     def _decode(self, ids: list[int]) -> str:
+        """The raw text of ``ids`` (no space cleanup)."""
         if self._backend is not None:  # the same text, without transformers' overhead
             return self._backend.decode(ids, skip_special_tokens=True)
+        if self._clean is not None:
+            return self.tokenizer.decode(
+                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            )
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _advance(self, final: bool = False) -> None:
@@ -133,7 +153,9 @@ class TextStream:
 
     def _took(self, new: str) -> None:
         """``new``: the text of the ids up to the last; the next window starts before it."""
-        self.text += new
+        self.raw += new
+        # cleaned whole: a cleanup pattern may span what came before ``new``
+        self.text = self.raw if self._clean is None else self._clean(self.raw)
         self._prefix = max(0, len(self.ids) - CONTEXT_TOKENS)
         self._read = len(self.ids)
 
@@ -144,21 +166,25 @@ class TextStream:
             return ""
         self.ids += ids
         self._advance()
-        text = self.text
-        if self.stop:
-            # a stop string cannot begin in what was sent: that much was held back for it
-            hits = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
-            if hits:
-                self.stopped = True
-                return self._take(min(hits))
-        return self._take(len(text) - self.hold)
+        return self._give(final=False)
 
     def flush(self) -> str:
-        """The text held back, once no more tokens come."""
+        """The text held back, once no more tokens come (up to a stop string in it)."""
         if self.stopped or self.tokenizer is None:
             return ""
         self._advance(final=True)  # what was held back, as it decodes in the end
-        return self._take(len(self.text))
+        return self._give(final=True)
+
+    def _give(self, final: bool) -> str:
+        text = self.text
+        # what more text cannot change: all of it, unless a cleanup may still reach back
+        settled = len(text) if final or self._clean is None else len(text) - CLEANUP_REACH
+        # a stop string cannot begin in what was sent: that much was held back for it
+        hits = [i for i, s in ((text.find(s, self.sent, settled), s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self._take(min(hits))
+        return self._take(settled if final else settled - self.hold)
 
     def _take(self, end: int) -> str:
         if end <= self.sent:
