@@ -8,7 +8,8 @@
 #   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'"
 #   (default: the nofold variant, serve --fold-prompts off);
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
-#   serve256open is the s256 release at open-loop Poisson rates (RATES256, default 400/s);
+#   serve256open is the s256 release at open-loop Poisson rates (RATES256, default 400/s;
+#   OPEN_REQUESTS requests, default 1500);
 #   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more;
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
 #   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
@@ -65,8 +66,9 @@ stage_serve256() {
 stage_serve256open() {  # open loop: Poisson arrivals at each of RATES256 requests a second
   local r
   for r in ${RATES256:-400}; do
-    stage "serve256open$r" 150 python3 bench/bench_serve.py "$D" --requests 1500 --rate "$r" \
-      --concurrency 64 --ways lone,serve --tolerate-mismatch --json "$R/serve-s256-open$r.json" \
+    stage "serve256open$r" 120 python3 bench/bench_serve.py "$D" --requests "${OPEN_REQUESTS:-1500}" \
+      --rate "$r" --concurrency 64 --ways lone,serve --tolerate-mismatch \
+      --json "$R/serve-s256-open$r.json" \
       || return
   done
 }
