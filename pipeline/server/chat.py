@@ -9,13 +9,12 @@ an answer here equals the checkpoint's greedy ``generate`` on that prompt.
 
 from __future__ import annotations
 
-import functools
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
-from pipeline.server.protocol import ApiError, ChunkEvents, CommonFields, check_fields
+from pipeline.server.protocol import ApiError, CommonFields, Wire, check_fields
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -139,11 +138,8 @@ def new_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 
 
-class ChatWire:
+class ChatWire(Wire):
     """Responses and streamed chunks of one chat completion."""
-
-    def __init__(self, rid: str, model: str, created: int) -> None:
-        self.rid, self.model, self.created = rid, model, created
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -161,16 +157,11 @@ class ChatWire:
     def first(self) -> dict[str, Any] | None:
         return self._delta({"role": "assistant", "content": ""}, None)
 
-    def chunk(self, text: str, ids: list[int]) -> dict[str, Any] | None:
-        return self._delta({"content": text}, None) if text else None
+    def sends(self, text: str, ids: list[int]) -> bool:
+        return bool(text)  # a chat chunk carries no ids
 
-    def chunk_event(self, text: str, ids: list[int]) -> str | None:
-        """``protocol.sse(self.chunk(text, ids))``, from this stream's template."""
-        return self._events.fill(text, ids) if text else None
-
-    @functools.cached_property
-    def _events(self) -> ChunkEvents:
-        return ChunkEvents(self.chunk)
+    def _chunk(self, text: Any, ids: Any) -> dict[str, Any]:
+        return self._delta({"content": text}, None)
 
     def last(self, reason: str) -> dict[str, Any]:
         return self._delta({}, reason)

@@ -232,11 +232,9 @@ class ChunkEvents:
     one format), and each chunk fills in its text's JSON and its ids (if ``chunk`` sends
     them)."""
 
-    def __init__(self, chunk: Callable[[Any, Any], dict[str, Any] | None]) -> None:
-        data = chunk(_TEXT, _IDS)
-        assert data is not None
+    def __init__(self, chunk: Callable[[Any, Any], dict[str, Any]]) -> None:
         # the text comes after the id and model, which could hold a stand-in: the last one
-        self.head, text, rest = sse(data).rpartition(_json_str(_TEXT))
+        self.head, text, rest = sse(chunk(_TEXT, _IDS)).rpartition(_json_str(_TEXT))
         mid, ids, tail = rest.partition(_json_str(_IDS))
         assert text, "the chunk holds no text"
         self.mid: str | None = mid if ids else None
@@ -249,27 +247,43 @@ class ChunkEvents:
         return f"{self.head}{_json_str(text)}{self.mid}[{', '.join(map(str, ids))}]{self.tail}"
 
 
-class CompletionWire:
-    """Responses and streamed chunks of one text completion (see ``chat.ChatWire``)."""
+class Wire:
+    """One answer's responses and streamed chunks; a route's format says which chunks go
+    out (``sends``) and what they hold (``_chunk``), and both ``chunk`` and its event
+    follow from those."""
 
     def __init__(self, rid: str, model: str, created: int) -> None:
         self.rid, self.model, self.created = rid, model, created
 
-    def first(self) -> dict[str, Any] | None:
-        return None
+    def sends(self, text: str, ids: list[int]) -> bool:
+        raise NotImplementedError
+
+    def _chunk(self, text: Any, ids: Any) -> dict[str, Any]:
+        raise NotImplementedError
 
     def chunk(self, text: str, ids: list[int]) -> dict[str, Any] | None:
-        if not (text or ids):
-            return None
-        return completion(self.rid, self.model, self.created, text, ids, None)
+        return self._chunk(text, ids) if self.sends(text, ids) else None
 
     def chunk_event(self, text: str, ids: list[int]) -> str | None:
         """``sse(self.chunk(text, ids))``, from this stream's template."""
-        return self._events.fill(text, ids) if text or ids else None
+        return self._events.fill(text, ids) if self.sends(text, ids) else None
 
     @functools.cached_property
     def _events(self) -> ChunkEvents:
-        return ChunkEvents(self.chunk)
+        return ChunkEvents(self._chunk)
+
+
+class CompletionWire(Wire):
+    """Responses and streamed chunks of one text completion (see ``chat.ChatWire``)."""
+
+    def first(self) -> dict[str, Any] | None:
+        return None
+
+    def sends(self, text: str, ids: list[int]) -> bool:
+        return bool(text or ids)
+
+    def _chunk(self, text: Any, ids: Any) -> dict[str, Any]:
+        return completion(self.rid, self.model, self.created, text, ids, None)
 
     def last(self, reason: str) -> dict[str, Any]:
         return completion(self.rid, self.model, self.created, "", [], reason)
