@@ -467,6 +467,8 @@ def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any
                 ("queue", "inf2_serve_queue_time_seconds"),
                 ("admission", "inf2_serve_admission_seconds"),
                 ("written", "inf2_serve_time_to_first_token_written_seconds"),
+                # how late the front's event loop ran what was due (sampled): its backlog
+                ("loop_lag", "inf2_serve_event_loop_lag_seconds"),
             )
             for q in (0.5, 0.99)
         },
@@ -1117,17 +1119,25 @@ def print_table(result: dict[str, Any]) -> None:
         "\nTTFT p50 / p99 ms in each way: the server's (arrival at the front to the engine's "
         "token; /metrics, interpolated in its buckets), of it the wait to be admitted; the "
         "front's admission before arrival (route to queue) and its first write after it "
-        "(arrival to the event on the socket); the client's"
+        "(arrival to the event on the socket); the client's; and how late the front's event "
+        "loop ran what was due (sampled every 10 ms: what anything ready waited for it)"
     )
     for r in ways:
         name = labels.get(r["way"], r["way"])
-        server, queue, admission, written, client = (
+        server, queue, admission, written, client, lag = (
             " / ".join(_ms(r.get(f"{key}_p{q}_s")) for q in (50, 99))
-            for key in ("server_ttft", "server_queue", "server_admission", "server_written", "ttft")
+            for key in (
+                "server_ttft",
+                "server_queue",
+                "server_admission",
+                "server_written",
+                "ttft",
+                "server_loop_lag",
+            )
         )
         print(
             f"  {name:<24} {r['concurrency']:>4}  server {server} (queue {queue}), admission "
-            f"{admission}, written {written}, client {client}"
+            f"{admission}, written {written}, client {client}; loop lag {lag}"
         )
     timed = [r for r in ways if (r.get("device") or {}).get("calls")]
     if timed:
@@ -1292,6 +1302,13 @@ def main() -> None:
         sys.exit(f"error: --peer {args.peer}: no such file")
     if not args.trace.is_file():
         sys.exit(f"error: --trace {args.trace}: no such file (copy {TRACE_NAME} there)")
+    from pipeline.errors import InputError
+    from pipeline.install.installed import find_release
+
+    try:
+        find_release(args.release)
+    except InputError as e:
+        sys.exit(f"error: {e}")
     if args.warmup_requests is None:
         args.warmup_requests = min(args.requests, max(concs))
     args.alone = bool(chosen)  # the servers' answers are checked against these

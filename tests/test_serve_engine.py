@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -1304,7 +1305,7 @@ class _CharTok:  # one character per id
         return "".join(chr(i) for i in ids)
 
 
-def test_coalesced_tokens_go_out_in_one_event_and_a_stop_ends_at_its_token():
+def test_coalesced_tokens_go_out_in_one_event_a_stop_ends_at_its_token_and_off_one_each():
     from types import SimpleNamespace
 
     from pipeline.server.app import _tokens
@@ -1329,6 +1330,15 @@ def test_coalesced_tokens_go_out_in_one_event_and_a_stop_ends_at_its_token():
     # a stop string inside what piled up: the text and the ids end at its token
     got = asyncio.run(events(["bc"], t("a"), t("b"), t("cd"), t("e"), Finished("length")))
     assert got == [("text", ("a", ids)), ("done", "stop")] and len(cancelled) == 1
+    # --no-coalesce: what piled up still goes out one event per engine event
+    service.options.coalesce = False
+    got = asyncio.run(events([], t("a"), t("bc"), Finished("length")))
+    assert got == [
+        ("text", ("a", ids[:1])),
+        ("text", ("bc", ids[1:])),
+        ("text", ("", [])),
+        ("done", "length"),
+    ]
 
 
 # --- overlapped iterations: slots that launch, their tokens read at the next chance --------
@@ -1656,3 +1666,43 @@ def test_an_idle_engine_counts_its_wait_as_it_passes():
     idle = serve(body, [Bucket(2, 32)], hooks=Recorder())
     assert len(idle) >= 2, idle
     assert all(0 < w < IDLE_REPORT_S + WAIT for w in idle) and sum(idle) >= IDLE_REPORT_S
+
+
+def test_the_loop_probe_sees_a_blocked_loop_and_a_backlog_of_ready_work():
+    """``probe_loop`` counts how late what was due ran: samples on an idle loop, the block
+    when one callback holds the loop, and the queue ahead when many ready callbacks wait (a
+    step's events for 32 streams)."""
+    metrics = Metrics()
+    name = "inf2_serve_event_loop_lag_seconds"
+
+    def lag() -> tuple[float, float, float]:  # samples, their sum, those over 10 ms
+        n = _metric(metrics, name + "_count") or 0.0
+        fast = _metric(metrics, name + "_bucket", le="0.01") or 0.0
+        return n, _metric(metrics, name + "_sum") or 0.0, n - fast
+
+    async def main() -> tuple[tuple[float, float, float], ...]:
+        loop = asyncio.get_running_loop()
+        probe = asyncio.ensure_future(metrics.probe_loop(every=0.005))
+        await asyncio.sleep(0.05)
+        idle = lag()
+        loop.call_soon(time.sleep, 0.2)  # one callback holds the loop
+        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.02)  # the probe woken with this task after the block ran
+        blocked = lag()
+        end = time.perf_counter() + 0.2
+
+        def busy() -> None:  # 20 callbacks of 1 ms always ready, for 0.2 s
+            time.sleep(0.001)
+            if time.perf_counter() < end:
+                loop.call_soon(busy)
+
+        for _ in range(20):
+            loop.call_soon(busy)
+        await asyncio.sleep(0.25)
+        probe.cancel()
+        return idle, blocked, lag()
+
+    idle, blocked, backlog = asyncio.run(main())
+    assert idle[0] >= 2  # it samples on its own
+    assert blocked[1] - idle[1] >= 0.1  # a probe due during the 0.2 s block ran after it
+    assert backlog[2] - blocked[2] >= 1  # queued behind ~20 ms of ready work

@@ -113,9 +113,10 @@ def serve(
         typer.Option(
             "--coalesce/--no-coalesce",
             help="Send a stream's tokens that piled up while the event loop was busy in one "
-            "event (less work per token under load) rather than one event per token.",
+            "event (less work per token under load; no token waits for it); "
+            "--no-coalesce: one event per token, always.",
         ),
-    ] = False,
+    ] = True,
     overlap: Annotated[
         bool,
         typer.Option(

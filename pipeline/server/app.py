@@ -33,8 +33,12 @@ def create_app(service: Service) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service.start(asyncio.get_running_loop())
-        yield
-        await service.stop()
+        probe = asyncio.ensure_future(service.metrics.probe_loop())
+        try:
+            yield
+            await service.stop()
+        finally:
+            probe.cancel()
 
     app = FastAPI(title="inf2-pipeline serve", lifespan=lifespan)
 
@@ -143,9 +147,11 @@ async def _tokens(service: Service, job: Job, text: TextStream) -> AsyncIterator
     """The job's events as ("text", (delta, ids)) and finally ("done", reason); stops early
     (and frees the slot) when a stop string appears.
 
-    With ``serve --coalesce``, tokens already waiting are sent together: when the event loop
-    falls behind the engine (many streams, one GIL), each client gets one event for what
-    piled up instead of one per token, so the loop's work per token falls when it must."""
+    Tokens already waiting are sent together (``serve --no-coalesce``: one event each): when
+    the event loop falls behind the engine (many streams, one GIL), each client gets one
+    event for what piled up instead of one per token, so the loop's work per token falls
+    when it must: each event is a socket write and a pass through Starlette's layers, the
+    front's main cost under load (bench/RESULTS.md, 2026-12-06)."""
     queue = job.events
     coalesce = service.options.coalesce
     event: Any = None

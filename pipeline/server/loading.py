@@ -45,8 +45,9 @@ class ServeOptions:
     # holds after the prompt, as vLLM's default; a long reserve lands in the longest bucket)
     chat_max_tokens: int | None = None
     # a stream sends the tokens that piled up while the event loop was busy in one event
-    # (less loop work per token under load; off: one event per token, always)
-    coalesce: bool = False
+    # (less loop work per token under load, as vLLM's streams do; off: one event per
+    # token, always)
+    coalesce: bool = True
     # launch each iteration's steps before reading the last one's tokens (cpu/cuda slots)
     overlap: bool = True
     # under overlap, launch an iteration this long before the device's queued work ends

@@ -12,6 +12,8 @@ Padding efficiency of live traffic, per bucket and phase, from
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from prometheus_client import (
@@ -38,6 +40,7 @@ _FIRST_TOKEN = (
 # Admission (body read, checked, tokenized): a hundred microseconds for token ids, more for
 # a long text prompt, and as long as the event loop makes a new request wait when it is busy.
 _ADMISSION = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+LOOP_PROBE_EVERY = 0.01  # 100 probes a second: ~0.1 % of a core
 
 
 class Metrics:
@@ -137,6 +140,15 @@ class Metrics:
             buckets=_FIRST_TOKEN,
             registry=r,
         )
+        # what a request's bytes or a stream's token wait for this process's event loop: the
+        # part of the client's TTFT that neither the engine's nor the write's figures show
+        self.loop_lag = Histogram(
+            "inf2_serve_event_loop_lag_seconds",
+            "How late this HTTP process's event loop runs a callback due now (sampled every "
+            f"{LOOP_PROBE_EVERY * 1000:g} ms): the wait of anything ready on a busy loop",
+            buckets=_ADMISSION,
+            registry=r,
+        )
         self.itl = Histogram(
             "inf2_serve_inter_token_latency_seconds",
             "Between two tokens of one request",
@@ -230,6 +242,22 @@ class Metrics:
         pass
 
     # --- the HTTP side ---------------------------------------------------------------------
+
+    async def probe_loop(self, every: float = LOOP_PROBE_EVERY) -> None:
+        """Until cancelled: every ``every`` seconds, how late a callback due then runs. The
+        probe is queued behind whatever is ready when its timer fires, so it counts both a
+        loop blocked past the timer and a backlog of ready work (32 streams' events of one
+        step); ``perf_counter``, as uvloop's own clock is in milliseconds."""
+        loop = asyncio.get_running_loop()
+        clock, observe = time.perf_counter, self.loop_lag.observe
+
+        def ran(due: float) -> None:
+            observe(max(clock() - due, 0.0))
+
+        while True:
+            due = clock() + every
+            await asyncio.sleep(every)
+            loop.call_soon(ran, due)
 
     def finished(self, arrival: float, end: float) -> None:
         self.latency.observe(end - arrival)
