@@ -467,7 +467,7 @@ def server_figures(before: str, after: str, buckets: list[str]) -> dict[str, Any
                 ("queue", "inf2_serve_queue_time_seconds"),
                 ("admission", "inf2_serve_admission_seconds"),
                 ("written", "inf2_serve_time_to_first_token_written_seconds"),
-                # how late the front's event loop ran what was due (sampled): its backlog
+                # how late the front's event loop woke a task due (sampled): its backlog
                 ("loop_lag", "inf2_serve_event_loop_lag_seconds"),
             )
             for q in (0.5, 0.99)
@@ -1120,7 +1120,7 @@ def print_table(result: dict[str, Any]) -> None:
         "token; /metrics, interpolated in its buckets), of it the wait to be admitted; the "
         "front's admission before arrival (route to queue) and its first write after it "
         "(arrival to the event on the socket); the client's; and how late the front's event "
-        "loop ran what was due (sampled every 10 ms: what anything ready waited for it)"
+        "loop woke a task due (sampled every 10 ms: about what anything ready waited for it)"
     )
     for r in ways:
         name = labels.get(r["way"], r["way"])

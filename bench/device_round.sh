@@ -6,7 +6,8 @@
 #   bash bench/device_round.sh            (BUDGET=seconds per call, default 575;
 #   WAYS2048, WAYS256: bench_serve's --ways for the two replays; ARGS2048, ARGS256: more
 #   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'"
-#   (default: the nofold variant, serve --fold-prompts off);
+#   (default: the nofold variant, serve --fold-prompts off, and for s256 also onebyone,
+#   serve --no-coalesce);
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
 #   serve256open is the s256 release at open-loop Poisson rates (RATES256, default 400/s;
 #   OPEN_REQUESTS requests, default 1500);
@@ -28,9 +29,12 @@ L=work/bench-cuda/models/bench-llama-3.2-1b-prefill
 PEER=(--peer peers/hf-continuous-batching/peer_serve.py --trace peers/AzureLLMInferenceTrace_conv.csv)
 [ -n "${NO_PEER:-}" ] && PEER=()  # NO_PEER=1: the serve256 stage without the peer
 # by default both replays also run serve without prompts folded into steps (the mixed
-# graphs' comparison in the same run); ARGS2048='' or ARGS256='' leaves it out
+# graphs' comparison in the same run), and the s256 replay serve with one event per token
+# (--no-coalesce: the baseline of coalescing, the default since 2026-12-06); ARGS2048='' or
+# ARGS256='' leaves them out
 NOFOLD="--variant 'nofold=--fold-prompts off'"
-eval "more2048=(${ARGS2048-$NOFOLD})"; eval "more256=(${ARGS256-$NOFOLD})"
+ONEBYONE="--variant 'onebyone=--no-coalesce'"
+eval "more2048=(${ARGS2048-$NOFOLD})"; eval "more256=(${ARGS256-$NOFOLD $ONEBYONE})"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 stage() {  # name, least seconds it needs, command...: false when this call is out of time
   local name=$1 min=$2; shift 2

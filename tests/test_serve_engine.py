@@ -1668,10 +1668,12 @@ def test_an_idle_engine_counts_its_wait_as_it_passes():
     assert all(0 < w < IDLE_REPORT_S + WAIT for w in idle) and sum(idle) >= IDLE_REPORT_S
 
 
-def test_the_loop_probe_sees_a_blocked_loop_and_a_backlog_of_ready_work():
-    """``probe_loop`` counts how late what was due ran: samples on an idle loop, the block
-    when one callback holds the loop, and the queue ahead when many ready callbacks wait (a
-    step's events for 32 streams)."""
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_the_loop_probe_sees_a_blocked_loop_and_a_backlog_of_ready_work(loop):
+    """``probe_loop`` counts how late a wake-up due then came: samples on an idle loop, the
+    block when one callback holds the loop, and the queue ahead when many ready callbacks
+    wait (a step's events for 32 streams); on uvloop (uvicorn's loop) as on asyncio's."""
+    factory = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" else None
     metrics = Metrics()
     name = "inf2_serve_event_loop_lag_seconds"
 
@@ -1702,7 +1704,8 @@ def test_the_loop_probe_sees_a_blocked_loop_and_a_backlog_of_ready_work():
         probe.cancel()
         return idle, blocked, lag()
 
-    idle, blocked, backlog = asyncio.run(main())
+    with asyncio.Runner(loop_factory=factory) as runner:
+        idle, blocked, backlog = runner.run(main())
     assert idle[0] >= 2  # it samples on its own
     assert blocked[1] - idle[1] >= 0.1  # a probe due during the 0.2 s block ran after it
     assert backlog[2] - blocked[2] >= 1  # queued behind ~20 ms of ready work

@@ -39,6 +39,8 @@ def create_app(service: Service) -> FastAPI:
             await service.stop()
         finally:
             probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe
 
     app = FastAPI(title="inf2-pipeline serve", lifespan=lifespan)
 
