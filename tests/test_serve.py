@@ -126,6 +126,24 @@ def test_a_stream_comes_token_by_token(slow_server):
     assert got[-1][0] - got[0][0] >= 3 * STEP_DELAY_S
 
 
+@pytest.mark.parametrize("flags, coalesce", [((), True), (("--no-coalesce",), False)])
+def test_serve_coalesces_by_default(release, monkeypatch, flags, coalesce):
+    """The CLI's default is the library's: tokens that piled up go out together;
+    --no-coalesce reaches the server as one event per token."""
+    from typer.testing import CliRunner
+
+    import pipeline.server.launch as launch
+    from pipeline.cli import app
+    from pipeline.server.loading import ServeOptions
+
+    got = []
+    monkeypatch.setattr(launch, "serve", got.append)  # the options, not a server
+    r = CliRunner().invoke(app, ["serve", str(release), *flags])
+    assert r.exit_code == 0, r.output
+    assert got[0].coalesce is coalesce
+    assert ServeOptions(release).coalesce is True
+
+
 def test_stream_usage_option(server):
     from openai import OpenAI
 
