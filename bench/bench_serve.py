@@ -68,6 +68,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(HERE))  # device_timeline
 
 from pipeline._files import atomic_write_text  # noqa: E402
+from pipeline.errors import InputError  # noqa: E402
+from pipeline.install.installed import find_release  # noqa: E402
 from pipeline.plan.traces import read_lengths  # noqa: E402
 from tests.serve_helpers import ServerProcess, get, metric  # noqa: E402
 
@@ -1302,9 +1304,6 @@ def main() -> None:
         sys.exit(f"error: --peer {args.peer}: no such file")
     if not args.trace.is_file():
         sys.exit(f"error: --trace {args.trace}: no such file (copy {TRACE_NAME} there)")
-    from pipeline.errors import InputError
-    from pipeline.install.installed import find_release
-
     try:
         find_release(args.release)
     except InputError as e:

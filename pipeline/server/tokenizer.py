@@ -180,7 +180,7 @@ class TextStream:
         # what more text cannot change: all of it, unless a cleanup may still reach back
         settled = len(text) if final or self._clean is None else len(text) - CLEANUP_REACH
         # a stop string cannot begin in what was sent: that much was held back for it
-        hits = [i for i, s in ((text.find(s, self.sent, settled), s) for s in self.stop) if i >= 0]
+        hits = [i for i in (text.find(s, self.sent, settled) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
             return self._take(min(hits))
