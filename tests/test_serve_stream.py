@@ -9,14 +9,16 @@ and without transformers' ``clean_up_tokenization_spaces``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import re
 from typing import Any
 
 import pytest
 
 from pipeline.server import chat, protocol
-from pipeline.server.tokenizer import TextStream, cleanup, stream_backend
+from pipeline.server.tokenizer import TextStream, cleans_in_pieces, cleanup, stream_backend
 
 CORPUS = [
     "Grüße aus Köln, 東京 und São Paulo! 🚀 naïve café — ok 漢字 😀👍🏽 élan",
@@ -210,6 +212,35 @@ def test_the_cleanup_is_applied_where_decode_applies_it(tokenizers, name, text):
     assert "".join(_stream(tok, ids, lambda: 1)) == _decode(tok, ids)
 
 
+def test_the_cleanup_cleans_in_pieces_where_the_first_ends_in_three_non_spaces(tokenizers):
+    """What cleaning a stream in pieces rests on, checked on this transformers' own cleanup
+    (as a tokenizer that applies it has it): for every string of up to 6 characters over
+    the space, the quote, "." and the letters of " n't", " 's" and " 've" (every shape of
+    pattern, 2 to 4 long), and every cut whose first piece has no space in its last 3
+    characters, cleaning the pieces gives the whole cleaned. And every one of those 3
+    characters matters: for each, some cut with a space there (and none after it) does not
+    (" n'" then "t" stays " n't", " '" then "s" stays " 's", " " then "." stays " .")."""
+    tok, _ = tokenizers["wordpiece, cleanup set"]
+    clean = cleanup(tok)
+    assert clean is not None and cleans_in_pieces(tok)
+    cleaned = {"": ""}
+    for n in range(1, 7):
+        for chars in itertools.product(" '.ntsve", repeat=n):
+            s = "".join(chars)
+            cleaned[s] = clean(s)
+    cuts, broken = 0, set()  # how far from the end of the first piece its last space is
+    for s, whole in cleaned.items():
+        for k in range(1, len(s)):
+            first = s[:k]
+            space = first[-3:].rfind(" ")
+            if space < 0:
+                cuts += 1
+                assert cleaned[first] + cleaned[s[k:]] == whole, (s, k)
+            elif cleaned[first] + cleaned[s[k:]] != whole:
+                broken.add(len(first[-3:]) - space)
+    assert cuts > 10**6 and broken == {1, 2, 3}
+
+
 @pytest.mark.parametrize("name", sorted({"metaspace", *BUILDERS} - set(CLEANED)))
 def test_each_push_gives_what_the_windows_give(tokenizers, name):
     """On every tokenizer that does not clean spaces, the stream path or not: each push and
@@ -263,6 +294,69 @@ def test_a_cleaned_stream_is_the_whole_decode_and_sends_nothing_it_takes_back(
         t = TextStream(tok, [stop])
         got = "".join(t.push([i]) for i in ids) + t.flush()
         assert got == (whole if cut < 0 else whole[:cut]) and t.stopped is (cut >= 0), trial
+
+
+# words of 3 letters or more and the cleanup's patterns (all in the WordPiece vocabulary)
+WORDS = ["plain", "ascii", "words", "here", "don", "fine", "line", "please"]
+MARKS = [".", ",", "?", "!", "'s", "'m", "'ve", "'re", "n't", "' t", "' s"]
+
+
+@pytest.mark.parametrize("path", ["DecodeStream", "windows"])
+@pytest.mark.parametrize("name", CLEANED)
+def test_a_long_cleaned_answer_cleans_only_its_tail(tokenizers, name, path, monkeypatch):
+    """A long answer (thousands of characters, a cleanup pattern every few words), one
+    token a push, on either path: after every push ``text`` is what cleaning all of it gives
+    (a stream made to clean it whole, side by side), what was sent is the start of the
+    whole decode and the deltas add up to it; and the raw text cleaned again on each push
+    is only what follows its last 3 characters with no space, a few characters here (the
+    rest was cleaned once), which it would not be if the stream never cut it."""
+    tok, _ = tokenizers[name]
+    if path == "windows":
+        monkeypatch.setattr("pipeline.server.tokenizer.stream_backend", lambda t: None)
+    rng = random.Random(name + path)
+    words = [rng.choice(WORDS if rng.random() < 0.6 else MARKS) for _ in range(1500)]
+    ids = tok(" ".join(words), add_special_tokens=False).input_ids
+    whole = _decode(tok, ids)
+    rust = tok._tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(whole) > 4000 and len(rust) - len(whole) > 500  # spaces the cleanup took out
+    t, cleaned_whole = TextStream(tok, []), TextStream(tok, [])
+    assert t._pieces and (t._stream is None) is (path == "windows")
+    cleaned_whole._pieces = False
+    sent, longest = "", 0
+    for i in ids:
+        got = t.push([i])
+        assert got == cleaned_whole.push([i]) and t.text == cleaned_whole.text
+        sent += got
+        assert whole.startswith(sent)
+        assert re.search("[^ ]{3}", t._raw_tail) is None  # cut after the last 3 non-spaces
+        longest = max(longest, len(t._raw_tail))
+    assert sent + t.flush() == whole
+    assert (t._stream is None) is (path == "windows")  # the path it was meant to take
+    assert longest < 64
+
+
+def test_a_cleanup_of_its_own_is_cleaned_whole():
+    """A tokenizer class with a cleanup of its own ("ab" to "X", which joins text across
+    any cut) is cleaned as a whole: the stream is its decode, token by token. Cleaned in
+    pieces, as transformers' own cleanup is, "cca" then "b" would stay "ccab"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    class OwnCleanup(PreTrainedTokenizerFast):
+        def clean_up_tokenization(self, text: str) -> str:
+            return text.replace("ab", "X")
+
+    word = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    word.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    word.decoder = decoders.Fuse()
+    tok = OwnCleanup(tokenizer_object=word, clean_up_tokenization_spaces=True)
+    ids = [2, 2, 0, 1, 2, 0, 0, 1, 2, 2, 2, 2, 0, 1]
+    assert _decode(tok, ids) == "ccXcaXccccX"
+    assert cleanup(tok) is not None and not cleans_in_pieces(tok)
+    assert "".join(_stream(tok, ids, lambda: 1)) == _decode(tok, ids)
+    t = TextStream(tok, [])
+    t._pieces = True  # as if it were transformers' own
+    assert "".join([*(t.push([i]) for i in ids), t.flush()]) != _decode(tok, ids)
 
 
 def test_a_decoder_decode_stream_refuses_goes_on_in_windows():

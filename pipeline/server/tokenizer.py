@@ -58,6 +58,40 @@ def cleanup(tokenizer: Any) -> Any | None:
     return tokenizer.clean_up_tokenization
 
 
+def cleans_in_pieces(tokenizer: Any) -> bool:
+    """Whether the space cleanup ``tokenizer`` applies is transformers' own
+    (``PreTrainedTokenizerBase.clean_up_tokenization``), which cleans text in pieces as it
+    cleans it whole where each piece but the last ends in 3 characters with no space
+    (``_last_split``): then a stream cleans only the text after its last such end. A
+    subclass's own cleanup may join text across any split ("ab" to "X", say), so it is
+    cleaned whole. Staticmethod (transformers 4) or method (5): the same function either way."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    clean = getattr(tokenizer, "clean_up_tokenization", None)
+    return getattr(clean, "__func__", clean) is PreTrainedTokenizerBase.clean_up_tokenization
+
+
+def _last_split(raw: str) -> int:
+    """The largest ``k`` >= 3 with no space in ``raw[k - 3 : k]``, else 0: where raw text
+    cleaned by transformers' cleanup can be cut, ``clean(a + b) == clean(a) + clean(b)`` for
+    ``a = raw[:k]``. Why: each of its patterns (" .", " ' ", " n't", ...) starts with a space
+    and is at most 4 long, so one that starts in ``a`` ends in it, and ``str.replace`` (left
+    to right, not overlapping) replaces in ``a`` what it replaces in ``a`` alone, then in
+    ``b`` what it replaces in ``b`` alone; a replacement only deletes spaces, so the last 3
+    characters of ``a`` come out of each of the 10 steps as they went in, and the next step
+    splits the same way. Ordinary text has such a cut a few characters from its end; this
+    looks back only that far."""
+    k = len(raw)
+    while k >= 3:
+        space = raw.rfind(" ", k - 3, k)
+        if space < 0:
+            return k
+        k = space
+    return 0
+
+
 def stream_backend(tokenizer: Any) -> Any | None:
     """The Rust tokenizer (``tokenizers.Tokenizer``) to step a ``DecodeStream`` with, when
     what it streams is ``tokenizer.decode(ids, skip_special_tokens=True)`` before any space
@@ -93,6 +127,8 @@ class TextStream:
     it. Where the tokenizer's decode cleans up spaces (``cleanup``), the raw text is
     streamed so and cleaned as a whole, and its last ``CLEANUP_REACH`` characters wait
     (cleaning windows apart loses text: " '" then "s" is "'s", not " 's" cut after " '").
+    With transformers' own cleanup (``cleans_in_pieces``), "as a whole" costs only the text
+    since the last place it can be cut (``_last_split``), whose cleaned start is kept.
     With stop strings, the last ``len(longest) - 1`` characters wait too, until it is clear
     they do not begin a stop string.
     """
@@ -102,16 +138,21 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
-        self.raw = ""  # everything decoded so far, before any cleanup
-        self.text = ""  # ... and as the tokenizer's decode gives it
+        self.text = ""  # everything decoded so far, as the tokenizer's decode gives it
         self.sent = 0  # characters of ``text`` already given out
         self.stopped = False
         self._prefix = 0  # the context window starts here ...
         self._read = 0  # ... and the ids not yet in ``text`` start here
         self._backend = self._clean = self._stream = None
+        self._pieces = False  # whether the cleanup may clean the raw text in pieces
         if tokenizer is not None:
             self._clean = cleanup(tokenizer)
+            self._pieces = self._clean is not None and cleans_in_pieces(tokenizer)
             self._backend = stream_backend(tokenizer)
+        # with a cleanup, ``text`` is ``_cleaned_head`` then ``_raw_tail`` cleaned: the raw
+        # text up to its last cut (``_last_split``), cleaned once, and the raw text after it
+        # (all of it where the cleanup is not transformers' own)
+        self._cleaned_head = self._raw_tail = ""
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
@@ -153,9 +194,16 @@ class TextStream:
 
     def _took(self, new: str) -> None:
         """``new``: the text of the ids up to the last; the next window starts before it."""
-        self.raw += new
-        # cleaned whole: a cleanup pattern may span what came before ``new``
-        self.text = self.raw if self._clean is None else self._clean(self.raw)
+        if self._clean is None:
+            self.text += new
+        else:
+            # cleaned as a whole: a cleanup pattern may span what came before ``new``
+            self._raw_tail += new
+            cut = _last_split(self._raw_tail) if self._pieces else 0
+            if cut:
+                self._cleaned_head += self._clean(self._raw_tail[:cut])
+                self._raw_tail = self._raw_tail[cut:]
+            self.text = self._cleaned_head + self._clean(self._raw_tail)
         self._prefix = max(0, len(self.ids) - CONTEXT_TOKENS)
         self._read = len(self.ids)
 
