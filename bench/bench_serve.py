@@ -381,6 +381,19 @@ def scrape(url: str) -> str:
     return text
 
 
+def startup_seconds(text: str) -> dict[str, float]:
+    """The server's start-up by phase (``inf2_serve_startup_seconds``): load, warm, engine,
+    tokenizer, total."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        s.labels["phase"]: round(s.value, 3)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "inf2_serve_startup_seconds"
+    }
+
+
 def histogram_quantile(before: str, after: str, name: str, q: float) -> float | None:
     """The ``q`` quantile of what histogram ``name`` observed between two scrapes,
     interpolated linearly inside its bucket as Prometheus' ``histogram_quantile`` does
@@ -895,6 +908,8 @@ def serve_ways(
         url = server.wait_ready(args.ready_timeout)  # raises with the log's tail
         ready = True
         log(f"serve --batching {batching} ready in {time.perf_counter() - t:.1f} s at {url}")
+        startup = startup_seconds(scrape(url))
+        log("  its start-up, s: " + ", ".join(f"{p} {s:.1f}" for p, s in startup.items()))
         name = json.loads(get(url + "/v1/models")[1])["data"][0]["id"]
         if args.warmup_requests:
             w = work[: args.warmup_requests]
@@ -922,6 +937,7 @@ def serve_ways(
                 figures = way_figures(
                     work, truth, wall, answers, errs, server_figures(before, after, buckets), conc
                 )
+                figures["server_startup_s"] = startup
                 if timeline is None:
                     keep(label, batching, conc, r, figures)
                 else:  # the device's account comes when the engine stops

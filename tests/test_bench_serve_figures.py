@@ -87,3 +87,16 @@ def test_every_metric_is_documented():
     assert len(names) > 15
     for name in names:  # a counter's family is named without the _total it is exposed with
         assert f"`{name}`" in doc or f"`{name}_total`" in doc, name
+
+
+def test_the_start_up_is_read_by_phase_from_the_servers_gauge():
+    """What the bench records of each server's start: ``inf2_serve_startup_seconds`` by
+    phase, as the server exposes it."""
+    from pipeline.server.metrics import Metrics
+
+    m = Metrics()
+    for phase, s in {"load": 12.25, "warm": 40.5, "total": 61.0}.items():
+        m.startup.labels(phase=phase).set(s)
+    text = _scrape(m.registry)
+    assert bench_serve.startup_seconds(text) == {"load": 12.25, "warm": 40.5, "total": 61.0}
+    assert bench_serve.startup_seconds(_scrape(_histogram()[0])) == {}

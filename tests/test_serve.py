@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -280,6 +281,61 @@ def test_metrics_counters_move(server, client):
     assert written < since("inf2_serve_request_duration_seconds_sum")
     # the front's event loop is probed all along (every 10 ms), whatever it serves
     assert metric(streamed, "inf2_serve_event_loop_lag_seconds_count") > 0
+
+
+def test_start_up_is_timed_by_phase(server):
+    """The ready line and ``inf2_serve_startup_seconds`` say where a start's time went: the
+    release loaded, warmed, the engine made, the tokenizer (loaded beside them), in all."""
+    text = get(server.url + "/metrics")[1]
+    took = {
+        p: metric(text, "inf2_serve_startup_seconds", phase=p)
+        for p in ("load", "warm", "engine", "tokenizer", "total")
+    }
+    assert all(took[p] > 0 for p in ("load", "warm", "tokenizer")), took
+    assert took["total"] >= took["load"] + took["warm"] + took["engine"], took
+    line = re.search(r"ready: .* in ([\d.]+) s \(load [\d.]+, warm [\d.]+, engine [\d.]+; "
+                     r"tokenizer [\d.]+\)", server.log.read_text())  # fmt: skip
+    assert line and float(line[1]) == pytest.approx(took["total"], abs=0.06)
+
+
+def test_the_tokenizer_loaded_early_is_the_engine_releases_or_loaded_again(
+    release, tmp_path, monkeypatch
+):
+    """The front loads the tokenizer while the engine loads the release, from the release
+    it finds where ``serve`` points. It is used where the engine loaded that one (what
+    loading it raised is raised then); where ``current`` moved in between, or nothing was
+    found early, the tokenizer of the release the engine loaded is loaded then."""
+    from pipeline.install.installed import find_release
+    from pipeline.server import service as service_module
+    from pipeline.server.loading import Loaded, ServeOptions
+
+    loads = []
+
+    def load(d):
+        loads.append(d)
+        if d.name == "broken":
+            raise ValueError("no tokenizer")
+        return f"tokenizer of {d.name}"
+
+    monkeypatch.setattr(service_module, "load_tokenizer", load)
+    found = find_release(release)
+
+    def loaded(d):
+        return Loaded("m", "v", "cpu", d, 8, (), True, 0, 0)
+
+    early = service_module.Service(ServeOptions(path=release))._early_tokenizer()
+    assert early[:2] == (found, f"tokenizer of {found.name}") and loads == [found]
+    got = loaded(found)
+    assert service_module.Service._tokenizer(got, early) == early[1] and len(loads) == 1
+    assert got.startup["tokenizer"] == early[2]
+    moved = tmp_path / "20990101-newer"
+    assert service_module.Service._tokenizer(loaded(moved), early) == "tokenizer of " + moved.name
+    assert service_module.Service._tokenizer(loaded(moved), None) == "tokenizer of " + moved.name
+    assert loads == [found, moved, moved]
+    broken = (tmp_path / "broken", ValueError("no tokenizer"), 0.1)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        service_module.Service._tokenizer(loaded(tmp_path / "broken"), broken)
+    assert service_module.Service(ServeOptions(path=tmp_path))._early_tokenizer() is None
 
 
 def _wait_for_one_disconnect(server, before: str) -> str:

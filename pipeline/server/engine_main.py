@@ -214,7 +214,14 @@ def run(
         model, resident, loaded = load_release(options, loader, lambda p: send_all(("phase", p)))
         # the fronts count the queue; a margin here for cancels sent before a submit
         engine = make_engine(
-            model, resident, options, None, relay, deliver=deliver, max_queue=2 * options.max_queue
+            model,
+            resident,
+            options,
+            None,
+            relay,
+            startup=loaded.startup,
+            deliver=deliver,
+            max_queue=2 * options.max_queue,
         )
     except Exception as e:
         from pipeline.errors import PipelineError

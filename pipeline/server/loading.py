@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,9 @@ class Loaded:
     seeded: bool  # a request's seed is honoured (False where an export samples on Neuron)
     max_topk: int  # the largest top_k every resident sampler takes (0: any)
     need_extra: int  # tokens_needed(p, m) - p - m: the runner's rule, linear on every backend
+    # seconds of each start-up phase so far, in order (STARTUP_PHASES): the ready line and
+    # inf2_serve_startup_seconds, so a slow pod start says where its time went
+    startup: dict[str, float] = field(default_factory=dict)
 
     def tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return prompt_len + max_new_tokens + self.need_extra
@@ -87,12 +91,21 @@ class Loaded:
         return max(self.buckets, key=lambda b: (b.seq, b.batch))
 
 
+# What a server does before it answers, timed: the release's files loaded (packages, weights;
+# on neuron the exports), its buckets warmed (each graph run once: CUDA graphs captured), the
+# engine made (its prefill calls and steps timed where a policy needs them), the tokenizer;
+# "total" is from the server's start (imports and the engine's process included).
+STARTUP_PHASES = ("load", "warm", "engine", "tokenizer")
+
+
 def load_release(
     options: ServeOptions, loader: Callable[[Path], Any], phase: Callable[[str], None]
 ) -> tuple[Any, list[Bucket], Loaded]:
     """Load the release and warm its resident buckets: the model, those buckets, and what the
     HTTP side needs to know of them. ``phase`` hears "warming up"."""
+    start = time.perf_counter()
     model = loader(options.path)
+    loaded_at = time.perf_counter()
     phase("warming up")
     model.warmup()
     # The buckets the runner keeps loaded (all of them on cpu/cuda; on neuron those that fit
@@ -113,6 +126,7 @@ def load_release(
         seeded=all(getattr(s, "seeded", True) for s in slots),
         max_topk=min(limits, default=0),
         need_extra=model.tokens_needed(1, 1) - 2,
+        startup={"load": loaded_at - start, "warm": time.perf_counter() - loaded_at},
     )
     return model, resident, loaded
 
@@ -123,8 +137,12 @@ def make_engine(
     options: ServeOptions,
     loop: asyncio.AbstractEventLoop | None,
     hooks: Hooks,
+    startup: dict[str, float] | None = None,
     **more: Any,
 ) -> Engine:
+    """The engine over ``resident``, its policies as ``options`` say; the seconds making it
+    took (its calls timed) go in ``startup["engine"]``."""
+    start = time.perf_counter()
     o = options
     auto = o.prefill_merge == "auto"
     # the largest call the engine makes: max_prefills prompts (static fills a whole bucket)
@@ -136,7 +154,7 @@ def make_engine(
     # a fixed --prefill-stall needs no step; auto and the pacer are counted in steps
     stepped = paced or (stall and o.prefill_stall == "auto")
     steps = bucket_steps(model, resident, costs or {}) if stepped else {}
-    return Engine(
+    engine = Engine(
         model,
         resident,
         loop,
@@ -156,6 +174,9 @@ def make_engine(
         pacer=make_pacer(steps, o.launch_lead, costs or {}) if paced else None,
         **more,
     )
+    if startup is not None:
+        startup["engine"] = time.perf_counter() - start
+    return engine
 
 
 def bucket_steps(

@@ -117,6 +117,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemin",  # ready when every front is
         )
+        self.startup = Gauge(
+            "inf2_serve_startup_seconds",
+            "Seconds of each start-up phase (load, warm, engine, tokenizer) and in all "
+            "(total, from the server's start)",
+            ["phase"],
+            registry=r,
+            multiprocess_mode="max",  # front 0 alone sets it (the others are quiet)
+        )
         self.queue_time = Histogram(
             "inf2_serve_queue_time_seconds",
             "Arrival to the prefill that takes a slot",

@@ -14,13 +14,22 @@ import logging
 import multiprocessing
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
+from pipeline.install.installed import find_release
 from pipeline.server.jobs import EngineFailed
-from pipeline.server.loading import Loaded, ServeOptions, load_release, make_engine
+from pipeline.server.loading import (
+    STARTUP_PHASES,
+    Loaded,
+    ServeOptions,
+    load_release,
+    make_engine,
+)
 from pipeline.server.metrics import Metrics
 from pipeline.server.tokenizer import load_tokenizer
 
@@ -52,6 +61,8 @@ class Service:
         self._fronts_ready: Any = None  # how many fronts are ready (shared by all of them)
         self._tokenizing: asyncio.Future | None = None  # the process's: its tokenizer loading
         self.on_failure: Callable[[], None] = lambda: None
+        self._created = time.perf_counter()  # start-up's "total" counts from here
+        self._early: Future = Future()  # _early_tokenizer's, from start()
 
     @property
     def ready(self) -> bool:
@@ -90,6 +101,14 @@ class Service:
         return self
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        # the tokenizer loads while the engine loads the release (importing transformers
+        # alone takes seconds), not after it
+        self._early = Future()
+        threading.Thread(
+            target=lambda: self._early.set_result(self._early_tokenizer()),
+            name="inf2-serve-tokenizer",
+            daemon=True,
+        ).start()
         if self.process is not None:
             self.engine = self.process.attach(loop, self.metrics)
             return
@@ -102,8 +121,10 @@ class Service:
         """The model thread (``--no-engine-process``): load, then run the engine."""
         try:
             model, resident, loaded = load_release(self.options, self.loader, self.engine_phase)
-            tokenizer = load_tokenizer(loaded.dir)
-            self.engine = make_engine(model, resident, self.options, loop, self.metrics)
+            tokenizer = self._tokenizer(loaded, self._early.result())
+            self.engine = make_engine(
+                model, resident, self.options, loop, self.metrics, startup=loaded.startup
+            )
         except Exception as e:
             self.load_failed(e)
             return
@@ -124,7 +145,8 @@ class Service:
 
         async def tokenizer() -> None:
             try:
-                tok = await asyncio.to_thread(load_tokenizer, loaded.dir)
+                early = await asyncio.wrap_future(self._early)
+                tok = await asyncio.to_thread(self._tokenizer, loaded, early)
             except Exception as e:
                 self.load_failed(e)
                 return
@@ -132,6 +154,36 @@ class Service:
                 self._ready(loaded, tok)
 
         self._tokenizing = asyncio.ensure_future(tokenizer())
+
+    def _early_tokenizer(self) -> tuple[Path, Any, float] | None:
+        """The release ``serve`` was given, found as the engine will find it, and its
+        tokenizer loaded (or what loading it raised), with the seconds that took; None
+        where no release is found there (the engine's load says why)."""
+        try:
+            release_dir = find_release(self.options.path)
+        except Exception:
+            return None
+        start = time.perf_counter()
+        try:
+            tokenizer: Any = load_tokenizer(release_dir)
+        except Exception as e:  # raised once the engine has loaded that release
+            tokenizer = e
+        return release_dir, tokenizer, time.perf_counter() - start
+
+    @staticmethod
+    def _tokenizer(loaded: Loaded, early: tuple[Path, Any, float] | None) -> Any:
+        """``loaded``'s tokenizer: the one loaded early where it came from the release the
+        engine loaded (``current`` may have moved in between), else loaded now."""
+        if early is not None and early[0].resolve() == Path(loaded.dir).resolve():
+            _, tokenizer, took = early
+            loaded.startup["tokenizer"] = took
+            if isinstance(tokenizer, Exception):
+                raise tokenizer
+            return tokenizer
+        start = time.perf_counter()
+        tokenizer = load_tokenizer(loaded.dir)
+        loaded.startup["tokenizer"] = time.perf_counter() - start
+        return tokenizer
 
     def engine_closing(self) -> None:
         """Another front began the drain (the engine takes no more): so does this one."""
@@ -172,17 +224,26 @@ class Service:
                 self._fronts_ready.value += 1
         if self.quiet:
             return
+        seconds = {**loaded.startup, "total": time.perf_counter() - self._created}
+        for phase, took in seconds.items():
+            self.metrics.startup.labels(phase=phase).set(took)
         names = ", ".join(b.name for b in loaded.buckets)
         where = "its own process" if self.process is not None else "a thread"
         if self.options.http_workers > 1:
             where += f", {self.options.http_workers} HTTP processes in front"
+        # the tokenizer loads beside the others (on the front's side), so it stands apart
+        phases = ", ".join(f"{p} {seconds[p]:.1f}" for p in STARTUP_PHASES[:-1] if p in seconds)
+        if "tokenizer" in seconds:
+            phases += f"; tokenizer {seconds['tokenizer']:.1f}"
         log.info(
-            "ready: %s %s on %s (%s; engine in %s)",
+            "ready: %s %s on %s (%s; engine in %s) in %.1f s (%s)",
             loaded.name,
             loaded.version,
             loaded.device,
             names,
             where,
+            seconds["total"],
+            phases,
         )
         if self.options.trust is None:
             log.warning("not verifying the release's signature (no --trust)")
