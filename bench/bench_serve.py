@@ -381,6 +381,21 @@ def scrape(url: str) -> str:
     return text
 
 
+# what the JSON keeps of every round of a way (its headline is the fastest round's)
+ROUND_FIGURES = (
+    "seconds",
+    "output_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "ttft_p99_after_burst_s",
+    "itl_p99_s",
+    "server_ttft_p99_s",
+    "server_queue_p99_s",
+    "server_loop_lag_p99_s",
+    "answers_differing_from_alone",
+)
+
+
 def startup_seconds(text: str) -> dict[str, float]:
     """The server's start-up by phase (``inf2_serve_startup_seconds``): load, warm, engine,
     tokenizer, total."""
@@ -1399,6 +1414,7 @@ def main() -> None:
     save()
     best: dict[tuple[str, int], dict[str, Any]] = {}
     mismatches: dict[tuple[str, int], int] = {}
+    rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
 
     def keep(way: str, batching: str, conc: int, rnd: int, figures: dict[str, Any]) -> None:
         key = (way, conc)
@@ -1415,8 +1431,10 @@ def main() -> None:
             result["errors"] += [f"{way} × {conc}: {e}" for e in figures["errors"]]
         if key not in best or figures["seconds"] < best[key]["seconds"]:
             best[key] = {"way": way, "batching": batching, "concurrency": conc, **figures}
+        # every round's headline figures too: the spread the fastest alone hides
+        rounds.setdefault(key, []).append({k: figures.get(k) for k in ROUND_FIGURES})
         result["ways"] = [
-            {**best[k], "answers_differing_from_alone": mismatches[k]}
+            {**best[k], "answers_differing_from_alone": mismatches[k], "every_round": rounds[k]}
             for k in sorted(best, key=order)
         ]
         save()

@@ -202,6 +202,29 @@ def test_prefill_merge_answers_as_prefills_by_length_do(release, tmp_path):
     assert merged == by_length == cheapest and [len(a) for a in merged] == [n for _, n in prompts]
 
 
+def test_a_broken_tokenizer_loaded_early_is_the_servers_one_line(release, tmp_path):
+    """A release whose tokenizer.json is not JSON (its size kept, so serve's first check
+    passes): the front loads it while the engine loads the release, and once the engine
+    has loaded that same release, serve exits 2 with one line naming the tokenizer."""
+    broken = tmp_path / "release"
+    shutil.copytree(release, broken)
+    tokenizer = next(p for p in sorted(broken.rglob("tokenizer.json")) if not p.is_symlink())
+    tokenizer.chmod(0o644)
+    tokenizer.write_bytes(b"{" * tokenizer.stat().st_size)
+    env = dict(os.environ, PYTHONPATH=str(REPO), CI="true")
+    cli = "from pipeline.cli import main; main()"
+    r = subprocess.run(
+        [sys.executable, "-c", cli, "serve", str(broken), "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr
+    assert "tokenizer" in errors[0] and "Traceback" not in r.stderr
+
+
 def test_prompts_folded_into_steps_answer_as_prefilled_apart(release, tmp_path):
     """``--fold-prompts always``, one admission an iteration: the first request opens a
     bucket of two rows, the second joins it while the first runs and rides in its step (a
@@ -223,3 +246,46 @@ def test_prompts_folded_into_steps_answer_as_prefilled_apart(release, tmp_path):
     assert answers["always"] == answers["off"]
     assert [len(a) for a in answers["off"]] == [n for _, n in prompts]
     assert folded["always"] >= 1 and folded["off"] == 0
+
+
+# A server whose fronts' tokenizers take 2 s more to load, noting when they are loaded, and
+# whose engine notes when it starts being made (its calls timed): files under $TIMES.
+SLOW_TOKENIZER = """
+import os, time
+from pipeline.server import loading, service
+times = os.environ["TIMES"]
+load, make = service.load_tokenizer, loading.make_engine
+def slow(d):
+    time.sleep(2.0)
+    out = load(d)
+    open(os.path.join(times, f"tokenizer.{os.getpid()}"), "w").write(repr(time.time()))
+    return out
+def made(*a, **k):
+    open(os.path.join(times, "engine"), "w").write(repr(time.time()))
+    return make(*a, **k)
+service.load_tokenizer, loading.make_engine = slow, made
+from pipeline.cli import main; main()
+"""
+
+
+@pytest.mark.parametrize("fronts", [1, 2])
+def test_the_engine_times_its_calls_after_every_fronts_tokenizer(release, tmp_path, fronts):
+    """The fronts load their tokenizers while the engine's process loads the release; the
+    engine makes itself (timing its calls, which a front's imports would slow) only once
+    every front's tokenizer is loaded, with one front or two."""
+    times = tmp_path / "times"
+    times.mkdir()
+    entry = [sys.executable, "-c", SLOW_TOKENIZER, "serve"]
+    with ServerProcess(
+        release,
+        tmp_path / "serve.log",
+        "--http-workers",
+        str(fronts),
+        env={"TIMES": str(times)},
+        entry=entry,
+    ) as s:
+        s.wait_ready()
+        assert completion(s.url, [1, 2, 3], 3)
+    loaded = [float(p.read_text()) for p in times.glob("tokenizer.*")]
+    assert len(loaded) == fronts
+    assert float((times / "engine").read_text()) >= max(loaded)

@@ -335,6 +335,35 @@ def test_a_long_cleaned_answer_cleans_only_its_tail(tokenizers, name, path, monk
     assert longest < 64
 
 
+def test_a_cut_is_sought_only_in_what_could_make_one():
+    """``_last_split(raw, after)`` finds the cut ``_last_split(raw)`` finds wherever
+    ``raw[:after]`` has none (a stream's tail: it was cut at its last one), so a tail with
+    no cut is not scanned again at every push; and text with no 3 non-spaces in a row
+    (" . . .", a model repeating itself) still streams exactly what decode gives."""
+    from pipeline.server.tokenizer import _last_split
+
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(20000):
+        raw = "".join(rng.choice(" .ab") for _ in range(rng.randrange(12)))
+        for after in range(len(raw) + 1):
+            if _last_split(raw[:after]) == 0:
+                checked += 1
+                assert _last_split(raw, after) == _last_split(raw), (raw, after)
+    assert checked > 50000
+    assert _last_split(" . . . .abc", 8) == 11 and _last_split(" . . . .", 0) == 0
+
+
+@pytest.mark.parametrize("name", CLEANED)
+def test_text_without_a_cut_streams_what_decode_gives(tokenizers, name):
+    tok, _ = tokenizers[name]
+    ids = tok(" ." * 300 + " ' ," * 50, add_special_tokens=False).input_ids
+    t = TextStream(tok, [])
+    assert t._pieces
+    sent = "".join(t.push([i]) for i in ids) + t.flush()
+    assert sent == _decode(tok, ids) and len(t._raw_tail) > 100  # never cut: cleaned whole
+
+
 def test_a_cleanup_of_its_own_is_cleaned_whole():
     """A tokenizer class with a cleanup of its own ("ab" to "X", which joins text across
     any cut) is cleaned as a whole: the stream is its decode, token by token. Cleaned in

@@ -32,6 +32,7 @@ from pipeline.server.jobs import (
 )
 
 SENDS_JOIN_S = 5.0  # before "stopped": the refusals and notices still being sent
+TOKENIZERS_WAIT_S = 120.0  # the longest the engine waits for the fronts' tokenizers to load
 
 
 class Relay:
@@ -134,6 +135,8 @@ def run(
     locks = [threading.Lock() for _ in conns]
     state: dict[str, Any] = {"engine": None, "closed": False}
     state_lock = threading.Lock()  # the engine made, against a close that came first
+    tokenized: set[int] = set()  # the fronts whose tokenizers are loaded
+    fronts_loading = threading.Condition()
     sends: list[threading.Thread] = []  # later()'s, until sent
 
     def send(front: int, message: tuple[Any, ...]) -> None:
@@ -195,6 +198,10 @@ def run(
                 jobs.pop(rid, None)
                 why = Failed(f"refused by the engine: {e!r}", retry=not isinstance(e, ValueError))
                 later(front, ("events", [(rid, why)], []))
+        elif kind == "tokenizer":
+            with fronts_loading:
+                tokenized.add(front)
+                fronts_loading.notify_all()
         elif kind == "cancel":
             if (req := jobs.pop(message[1], None)) is not None and engine is not None:
                 engine.cancel(req)
@@ -203,6 +210,8 @@ def run(
                 first, state["closed"] = not state["closed"], True
                 if state["engine"] is not None:
                     state["engine"].close()
+            with fronts_loading:  # a drain does not wait for tokenizers
+                fronts_loading.notify_all()
             if first:  # every front stops taking requests now, not when its own SIGTERM lands
                 for other in range(len(conns)):
                     if other != front:
@@ -212,6 +221,13 @@ def run(
     threading.Thread(target=receive, name="inf2-serve-engine-receive", daemon=True).start()
     try:
         model, resident, loaded = load_release(options, loader, lambda p: send_all(("phase", p)))
+        # The fronts load their tokenizers while the release loads; the calls the engine
+        # times (its policies' costs) wait for them, so that a front's imports do not share
+        # the cores with those timings (a bounded wait: a slow tokenizer delays no more).
+        with fronts_loading:
+            fronts_loading.wait_for(
+                lambda: len(tokenized) == len(conns) or state["closed"], TOKENIZERS_WAIT_S
+            )
         # the fronts count the queue; a margin here for cancels sent before a submit
         engine = make_engine(
             model,

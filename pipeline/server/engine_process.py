@@ -191,6 +191,12 @@ class EngineProcess:
             with contextlib.suppress(OSError):
                 self.conn.send(("cancel", req.rid))
 
+    def tokenizer_loaded(self) -> None:
+        """This front's tokenizer is loaded (or failed to): the engine times its calls once
+        every front's is (``engine_main``)."""
+        with contextlib.suppress(OSError):
+            self.conn.send(("tokenizer",))
+
     def close(self) -> None:
         if not self._closing:
             self._closing = True

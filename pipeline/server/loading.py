@@ -80,7 +80,7 @@ class Loaded:
     need_extra: int  # tokens_needed(p, m) - p - m: the runner's rule, linear on every backend
     # seconds of each start-up phase so far, in order (STARTUP_PHASES): the ready line and
     # inf2_serve_startup_seconds, so a slow pod start says where its time went
-    startup: dict[str, float] = field(default_factory=dict)
+    startup: dict[str, float] = field(default_factory=dict, compare=False)
 
     def tokens_needed(self, prompt_len: int, max_new_tokens: int) -> int:
         return prompt_len + max_new_tokens + self.need_extra
@@ -94,7 +94,8 @@ class Loaded:
 # What a server does before it answers, timed: the release's files loaded (packages, weights;
 # on neuron the exports), its buckets warmed (each graph run once: CUDA graphs captured), the
 # engine made (its prefill calls and steps timed where a policy needs them), the tokenizer;
-# "total" is from the server's start (imports and the engine's process included).
+# "total" is from the server's state made (after the CLI's imports, ~0.5 s) to ready: the
+# engine's process, and its wait for the fronts' tokenizers, included.
 STARTUP_PHASES = ("load", "warm", "engine", "tokenizer")
 
 

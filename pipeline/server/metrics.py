@@ -120,7 +120,7 @@ class Metrics:
         self.startup = Gauge(
             "inf2_serve_startup_seconds",
             "Seconds of each start-up phase (load, warm, engine, tokenizer) and in all "
-            "(total, from the server's start)",
+            "(total: from serve's start, after its imports, to ready)",
             ["phase"],
             registry=r,
             multiprocess_mode="max",  # front 0 alone sets it (the others are quiet)

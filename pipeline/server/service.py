@@ -8,6 +8,7 @@ Phases: loading → warming up → ready (→ draining); or failed, with the err
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import logging
@@ -62,7 +63,8 @@ class Service:
         self._tokenizing: asyncio.Future | None = None  # the process's: its tokenizer loading
         self.on_failure: Callable[[], None] = lambda: None
         self._created = time.perf_counter()  # start-up's "total" counts from here
-        self._early: Future = Future()  # _early_tokenizer's, from start()
+        # _early_tokenizer's, from start() (the engine in its own process)
+        self._early: Future[tuple[Path, Any, float] | None] | None = None
 
     @property
     def ready(self) -> bool:
@@ -101,16 +103,15 @@ class Service:
         return self
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        # the tokenizer loads while the engine loads the release (importing transformers
-        # alone takes seconds), not after it
-        self._early = Future()
-        threading.Thread(
-            target=lambda: self._early.set_result(self._early_tokenizer()),
-            name="inf2-serve-tokenizer",
-            daemon=True,
-        ).start()
         if self.process is not None:
             self.engine = self.process.attach(loop, self.metrics)
+            # The tokenizer loads while the engine's process loads the release (importing
+            # transformers alone takes seconds), not after it. Not in the model thread's
+            # process (--no-engine-process): two threads importing torch at once can fail.
+            self._early = Future()
+            threading.Thread(
+                target=self._load_early, args=(loop,), name="inf2-serve-tokenizer", daemon=True
+            ).start()
             return
         self.thread = threading.Thread(
             target=self._main, args=(loop,), name="inf2-serve-model", daemon=True
@@ -121,7 +122,7 @@ class Service:
         """The model thread (``--no-engine-process``): load, then run the engine."""
         try:
             model, resident, loaded = load_release(self.options, self.loader, self.engine_phase)
-            tokenizer = self._tokenizer(loaded, self._early.result())
+            tokenizer = self._tokenizer(loaded, None)
             self.engine = make_engine(
                 model, resident, self.options, loop, self.metrics, startup=loaded.startup
             )
@@ -140,12 +141,12 @@ class Service:
         self.phase = phase
 
     def engine_ready(self, loaded: Loaded) -> None:
-        """The engine is loaded and warm: the tokenizer next (here, off the loop), then
-        ready."""
+        """The engine is loaded and warm: the tokenizer (loaded beside the release, or now
+        where the engine loaded another; off the loop either way), then ready."""
 
         async def tokenizer() -> None:
             try:
-                early = await asyncio.wrap_future(self._early)
+                early = await asyncio.wrap_future(self._early) if self._early else None
                 tok = await asyncio.to_thread(self._tokenizer, loaded, early)
             except Exception as e:
                 self.load_failed(e)
@@ -154,6 +155,20 @@ class Service:
                 self._ready(loaded, tok)
 
         self._tokenizing = asyncio.ensure_future(tokenizer())
+
+    def _load_early(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The tokenizer thread: ``_early_tokenizer`` into ``_early`` (whatever it raises
+        too, so nothing waits on it forever), then the engine is told this front's is done:
+        it times its calls after every front's, so an import does not share the cores with
+        those timings."""
+        assert self._early is not None and self.process is not None
+        if self._early.set_running_or_notify_cancel():  # not cancelled by a shutdown
+            try:
+                self._early.set_result(self._early_tokenizer())
+            except BaseException as e:
+                self._early.set_exception(e)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
+            loop.call_soon_threadsafe(self.process.tokenizer_loaded)
 
     def _early_tokenizer(self) -> tuple[Path, Any, float] | None:
         """The release ``serve`` was given, found as the engine will find it, and its

@@ -73,18 +73,20 @@ def cleans_in_pieces(tokenizer: Any) -> bool:
     return getattr(clean, "__func__", clean) is PreTrainedTokenizerBase.clean_up_tokenization
 
 
-def _last_split(raw: str) -> int:
-    """The largest ``k`` >= 3 with no space in ``raw[k - 3 : k]``, else 0: where raw text
-    cleaned by transformers' cleanup can be cut, ``clean(a + b) == clean(a) + clean(b)`` for
-    ``a = raw[:k]``. Why: each of its patterns (" .", " ' ", " n't", ...) starts with a space
-    and is at most 4 long, so one that starts in ``a`` ends in it, and ``str.replace`` (left
-    to right, not overlapping) replaces in ``a`` what it replaces in ``a`` alone, then in
-    ``b`` what it replaces in ``b`` alone; a replacement only deletes spaces, so the last 3
-    characters of ``a`` come out of each of the 10 steps as they went in, and the next step
-    splits the same way. Ordinary text has such a cut a few characters from its end; this
-    looks back only that far."""
+def _last_split(raw: str, after: int = 0) -> int:
+    """The largest ``k`` >= 3 (and > ``after``) with no space in ``raw[k - 3 : k]``, else 0:
+    where raw text cleaned by transformers' cleanup can be cut, ``clean(a + b) ==
+    clean(a) + clean(b)`` for ``a = raw[:k]``. Why: each of its patterns (" .", " ' ",
+    " n't", ...) starts with a space and is at most 4 long, so one that starts in ``a`` ends
+    in it, and ``str.replace`` (left to right, not overlapping) replaces in ``a`` what it
+    replaces in ``a`` alone, then in ``b`` what it replaces in ``b`` alone; a replacement
+    only deletes spaces, so the last 3 characters of ``a`` come out of each of the 10 steps
+    as they went in, and the next step splits the same way. Ordinary text has such a cut a
+    few characters from its end; this looks back only that far, and never to ``after`` (a
+    stream's tail had no cut before its new text: text without 3 non-spaces in a row,
+    " . . .", is scanned once, not at every push)."""
     k = len(raw)
-    while k >= 3:
+    while k >= 3 and k > after:
         space = raw.rfind(" ", k - 3, k)
         if space < 0:
             return k
@@ -198,8 +200,9 @@ class TextStream:
             self.text += new
         else:
             # cleaned as a whole: a cleanup pattern may span what came before ``new``
+            had = len(self._raw_tail)  # no cut in it: only the new text may make one
             self._raw_tail += new
-            cut = _last_split(self._raw_tail) if self._pieces else 0
+            cut = _last_split(self._raw_tail, had) if self._pieces else 0
             if cut:
                 self._cleaned_head += self._clean(self._raw_tail[:cut])
                 self._raw_tail = self._raw_tail[cut:]
