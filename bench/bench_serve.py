@@ -1237,7 +1237,13 @@ def main() -> None:
         help="positions the trace's p95 request is scaled to (default: the largest bucket)",
     )
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=1, help="rounds of each way; the fastest kept")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of each way; the fastest is the headline, every round's figures are in "
+        "the JSON (every_round)",
+    )
     ap.add_argument(
         "--ways",
         default=",".join(WAYS),
