@@ -10,7 +10,8 @@
 #   serve --no-coalesce);
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
 #   serve256open is the s256 release at open-loop Poisson rates (RATES256, default 400/s;
-#   OPEN_REQUESTS requests, default 1500);
+#   OPEN_REQUESTS requests, default 1500; REQUESTS256: the closed loop's, default 300, whose
+#   p99 holds the opening burst of 32: 3000 makes a p99 of the replay after it);
 #   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more;
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
 #   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
@@ -63,7 +64,7 @@ stage_serve2048() {
     --json "$R/serve-s2048.json"
 }
 stage_serve256() {
-  stage serve256 200 python3 bench/bench_serve.py "$D" --requests 300 --concurrency 32 \
+  stage serve256 200 python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-300}" --concurrency 32 \
     --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${more256[@]}" "${PEER[@]}" \
     --json "$R/serve-s256.json"
 }
