@@ -11,7 +11,7 @@
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
 #   serve256open is the s256 release at open-loop Poisson rates (RATES256, default 400/s;
 #   OPEN_REQUESTS requests, default 1500; REQUESTS256: the closed loop's, default 300, whose
-#   p99 holds the opening burst of 32: 3000 makes a p99 of the replay after it);
+#   p99 holds the opening burst of 32 (with 5000 the burst is under 1 % of the requests));
 #   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more;
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
 #   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
