@@ -8,7 +8,6 @@ Phases: loading → warming up → ready (→ draining); or failed, with the err
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import gc
 import logging
@@ -17,7 +16,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +62,7 @@ class Service:
         self.on_failure: Callable[[], None] = lambda: None
         self._created = time.perf_counter()  # start-up's "total" counts from here
         # _early_tokenizer's, from start() (the engine in its own process)
-        self._early: Future[tuple[Path, Any, float] | None] | None = None
+        self._early: asyncio.Future[tuple[Path, Any, float] | None] | None = None
 
     @property
     def ready(self) -> bool:
@@ -108,10 +106,10 @@ class Service:
             # The tokenizer loads while the engine's process loads the release (importing
             # transformers alone takes seconds), not after it. Not in the model thread's
             # process (--no-engine-process): two threads importing torch at once can fail.
-            self._early = Future()
-            threading.Thread(
-                target=self._load_early, args=(loop,), name="inf2-serve-tokenizer", daemon=True
-            ).start()
+            self._early = loop.run_in_executor(None, self._early_tokenizer)
+            # loaded or not, the engine hears so: it times its calls after every front's
+            # tokenizer, so that an import does not share the cores with those timings
+            self._early.add_done_callback(lambda _: self.process.tokenizer_loaded())
             return
         self.thread = threading.Thread(
             target=self._main, args=(loop,), name="inf2-serve-model", daemon=True
@@ -146,7 +144,7 @@ class Service:
 
         async def tokenizer() -> None:
             try:
-                early = await asyncio.wrap_future(self._early) if self._early else None
+                early = await self._early if self._early is not None else None
                 tok = await asyncio.to_thread(self._tokenizer, loaded, early)
             except Exception as e:
                 self.load_failed(e)
@@ -155,20 +153,6 @@ class Service:
                 self._ready(loaded, tok)
 
         self._tokenizing = asyncio.ensure_future(tokenizer())
-
-    def _load_early(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The tokenizer thread: ``_early_tokenizer`` into ``_early`` (whatever it raises
-        too, so nothing waits on it forever), then the engine is told this front's is done:
-        it times its calls after every front's, so an import does not share the cores with
-        those timings."""
-        assert self._early is not None and self.process is not None
-        if self._early.set_running_or_notify_cancel():  # not cancelled by a shutdown
-            try:
-                self._early.set_result(self._early_tokenizer())
-            except BaseException as e:
-                self._early.set_exception(e)
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone
-            loop.call_soon_threadsafe(self.process.tokenizer_loaded)
 
     def _early_tokenizer(self) -> tuple[Path, Any, float] | None:
         """The release ``serve`` was given, found as the engine will find it, and its
