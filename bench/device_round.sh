@@ -10,8 +10,10 @@
 #   serve --no-coalesce);
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
 #   serve256open is the s256 release at open-loop Poisson rates (RATES256, default 400/s;
-#   OPEN_REQUESTS requests, default 1500; REQUESTS256: the closed loop's, default 300, whose
-#   p99 holds the opening burst of 32 (with 5000 the burst is under 1 % of the requests));
+#   OPEN_REQUESTS requests, default 1500; REQUESTS256: the closed loop's, default 2000: with
+#   300 (0.45 s of replay) its p99 was the opening burst's and its echo, not a steady state);
+#   CLIENT_PROCS: the replays' client processes (default 4: with one, its GIL added 15-26 ms
+#   to the client's p99 TTFT beyond the server's write, twenty-third round);
 #   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more;
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
 #   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
@@ -60,11 +62,13 @@ run() {
 }
 stage_serve2048() {
   stage serve2048 300 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
+    --client-procs "${CLIENT_PROCS:-4}" \
     --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch "${more2048[@]}" \
     --json "$R/serve-s2048.json"
 }
 stage_serve256() {
-  stage serve256 200 python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-300}" --concurrency 32 \
+  stage serve256 200 python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-2000}" --concurrency 32 \
+    --client-procs "${CLIENT_PROCS:-4}" \
     --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${more256[@]}" "${PEER[@]}" \
     --json "$R/serve-s256.json"
 }
@@ -73,6 +77,7 @@ stage_serve256open() {  # open loop: Poisson arrivals at each of RATES256 reques
   for r in ${RATES256:-400}; do
     stage "serve256open$r" 120 python3 bench/bench_serve.py "$D" --requests "${OPEN_REQUESTS:-1500}" \
       --rate "$r" --concurrency 64 --ways lone,serve --tolerate-mismatch \
+      --client-procs "${CLIENT_PROCS:-4}" \
       --json "$R/serve-s256-open$r.json" \
       || return
   done
@@ -95,8 +100,8 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
 }
 run
 # the figures, not the logs of every server (the copy back has a file count limit); of
-# those, each server's start-up lines (its prefill cost table, ready) in one file, to tell
-# an outlier way by its table
+# those, each server's start-up lines (each bucket's load, its prefill cost table, ready) in
+# one file, to tell an outlier way by its table
 cp "$R"/*.json "$R"/sampler.log "$OUT"/ 2>/dev/null
-grep -H -E "prefill calls of|^ready:|error" "$R"/*.serve-*.log >"$OUT/server-startup.txt" 2>/dev/null
+grep -H -E "prefill calls of|packages and weights|^ready:|error" "$R"/*.serve-*.log >"$OUT/server-startup.txt" 2>/dev/null
 ls "$R"

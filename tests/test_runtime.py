@@ -4,6 +4,7 @@ published, pulled and loaded, equal to Hugging Face's greedy generate."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def test_select_and_generate_move_to_larger_buckets_or_fail_clearly(installed):
         model.generate([[]], 2)
 
 
-def test_lazy_load_and_warmup(installed):
+def test_lazy_load_and_warmup(installed, caplog):
     from pipeline.runtime import BucketedModel
 
     _, model_dir = installed
@@ -96,9 +97,15 @@ def test_lazy_load_and_warmup(installed):
     assert not model.runner._graphs
     model.generate([[1, 2, 3]], 2)
     assert list(model.runner._graphs) == [Bucket(1, 32)]
-    model.warmup()
+    with caplog.at_level("INFO", logger="inf2_pipeline.runtime"):
+        model.warmup()
     # one shared weight copy
     assert len(model.runner._graphs) == 4 and len(model.runner._weights) == 1
+    # each bucket's start-up by part (cpu: no CUDA graphs), the one loaded earlier included
+    lines = [r.getMessage() for r in caplog.records if r.name == "inf2_pipeline.runtime"]
+    assert [line.split(":")[0] for line in lines] == [b.name for b in sorted(model.buckets)]
+    part = r"\S+: packages and weights [\d.]+ s, caches [\d.]+ s"
+    assert all(re.fullmatch(part, line) for line in lines), lines
 
 
 def test_load_refuses_what_it_cannot_run(installed, tmp_path):

@@ -8,6 +8,8 @@ debug).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +23,8 @@ from pipeline.store.manifest import Manifest
 if TYPE_CHECKING:
     from pipeline.runtime.decode_session import DecodeSession
     from pipeline.runtime.session_slots import SessionSlots
+
+log = logging.getLogger("inf2_pipeline.runtime")
 
 
 class AotiRunner:
@@ -43,9 +47,22 @@ class AotiRunner:
         return prompt_len + max_new_tokens - 1
 
     def warmup(self, buckets: Sequence[Bucket]) -> None:
-        """Load every bucket, allocate its caches and record its CUDA graph."""
+        """Load every bucket, allocate its caches and record its CUDA graphs, each bucket's
+        time logged by part: a server's start is mostly this on cuda (~40 s for three s256
+        buckets on an H100, bench/RESULTS.md), and the line says which part to cut."""
         for bucket in buckets:
-            self.session(bucket)
+            start = time.perf_counter()
+            self._bucket(bucket)
+            loaded = time.perf_counter()
+            graphs = self.session(bucket).recorded
+            made = f"caches and {graphs} CUDA graphs" if graphs else "caches"
+            log.info(
+                "%s: packages and weights %.1f s, %s %.1f s",
+                bucket.name,
+                loaded - start,
+                made,
+                time.perf_counter() - loaded,
+            )
 
     def session(self, bucket: Bucket) -> DecodeSession:
         """The bucket's graphs with their own caches (made on first use)."""

@@ -158,6 +158,11 @@ class DecodeSession:
         """(tier, prompts, length) of every mixed call recorded as a graph."""
         return sorted(self._mixed)
 
+    @property
+    def recorded(self) -> int:
+        """CUDA graphs recorded: steps, prefill and mixed calls (0: an eager session)."""
+        return len(self._steps) + len(self._prefills) + len(self._mixed)
+
     # --- the calls slots make (``SessionSlots``): queued, tokens left on the device --------
 
     def run_prefill(self, inputs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:

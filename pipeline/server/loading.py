@@ -91,9 +91,11 @@ class Loaded:
         return max(self.buckets, key=lambda b: (b.seq, b.batch))
 
 
-# What a server does before it answers, timed: the release's files loaded (packages, weights;
-# on neuron the exports), its buckets warmed (each graph run once: CUDA graphs captured), the
-# engine made (its prefill calls and steps timed where a policy needs them), the tokenizer;
+# What a server does before it answers, timed: the release opened (manifest and signature
+# checked, the runtime imported), its resident buckets warmed (packages and weights onto the
+# device, on neuron the exports; caches and CUDA graphs made; each graph run once: the cuda
+# runner logs each bucket's parts), the engine made (its prefill calls and steps timed where a
+# policy needs them), the tokenizer;
 # "total" is from the server's state made (after the CLI's imports, ~0.5 s) to ready: the
 # engine's process, and its wait for the fronts' tokenizers, included.
 STARTUP_PHASES = ("load", "warm", "engine", "tokenizer")
