@@ -78,7 +78,7 @@ class Loaded:
     seeded: bool  # a request's seed is honoured (False where an export samples on Neuron)
     max_topk: int  # the largest top_k every resident sampler takes (0: any)
     need_extra: int  # tokens_needed(p, m) - p - m: the runner's rule, linear on every backend
-    # seconds of each start-up phase so far, in order (STARTUP_PHASES): the ready line and
+    # seconds of each start-up phase so far, in order (metrics.STARTUP_PHASES): the ready line and
     # inf2_serve_startup_seconds, so a slow pod start says where its time went
     startup: dict[str, float] = field(default_factory=dict, compare=False)
 
@@ -97,8 +97,8 @@ class Loaded:
 # runner logs each bucket's parts), the engine made (its prefill calls and steps timed where a
 # policy needs them), the tokenizer;
 # "total" is from the server's state made (after the CLI's imports, ~0.5 s) to ready: the
-# engine's process, and its wait for the fronts' tokenizers, included.
-STARTUP_PHASES = ("load", "warm", "engine", "tokenizer")
+# engine's process, and its wait for the fronts' tokenizers, included. The names:
+# ``metrics.STARTUP_PHASES``.
 
 
 def load_release(

@@ -27,6 +27,10 @@ from prometheus_client import (
 
 from pipeline.contracts.bucket import Bucket
 
+# inf2_serve_startup_seconds' phases, in order (``loading`` times the first three, the front
+# the tokenizer), and the ready line's
+STARTUP_PHASES = ("load", "warm", "engine", "tokenizer")
+
 # Seconds: tiny cpu models answer in milliseconds, big ones on a slow device in minutes.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _PER_TOKEN = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
@@ -119,7 +123,7 @@ class Metrics:
         )
         self.startup = Gauge(
             "inf2_serve_startup_seconds",
-            "Seconds of each start-up phase (load, warm, engine, tokenizer) and in all "
+            f"Seconds of each start-up phase ({', '.join(STARTUP_PHASES)}) and in all "
             "(total: from serve's start, after its imports, to ready)",
             ["phase"],
             registry=r,

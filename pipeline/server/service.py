@@ -22,14 +22,8 @@ from typing import Any
 from pipeline.errors import PipelineError
 from pipeline.install.installed import find_release
 from pipeline.server.jobs import EngineFailed
-from pipeline.server.loading import (
-    STARTUP_PHASES,
-    Loaded,
-    ServeOptions,
-    load_release,
-    make_engine,
-)
-from pipeline.server.metrics import Metrics
+from pipeline.server.loading import Loaded, ServeOptions, load_release, make_engine
+from pipeline.server.metrics import STARTUP_PHASES, Metrics
 from pipeline.server.tokenizer import load_tokenizer
 
 log = logging.getLogger("inf2_pipeline.serve")
