@@ -12,8 +12,9 @@ on a GPU.
 Default timings: the twelfth GPU round's H200 (bench/RESULTS.md): ``Slots.step`` 0.898 /
 1.130 / 1.174 ms at batch 1 / 8 / 32 (s256) and 1.188 ms at b32 × s2048; a prefill call
 about 1 ms plus 2.5 µs a computed position (fits the replays' prefills-alone totals within
-~20 %). A mixed call (a step with prompts in it, ``launch_mixed``) takes its prompts'
-prefill time plus ``mixed_step_s`` for the step's rows in the same pass: 0.3 ms, what the
+~20 %). A mixed call (a step with prompts packed into one stream, ``launch_mixed``) takes
+a prefill call's time at the stream's length plus ``mixed_step_s`` for the step's rows in
+the same pass: 0.3 ms, what the
 nineteenth round's start-up timings measured on the H200 (b32_s256: one 64-token prompt
 1.65-1.73 ms mixed against 1.38-1.39 ms as a prefill call alone). Tokens never end an
 answer (no EOS): every request runs to its ``max_tokens``.
@@ -31,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline.contracts.bucket import Bucket
+from pipeline.contracts.bucket import Bucket, mixed_lengths
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Timings:
     # what a step's rows add to a prefill call's pass over the weights, in a mixed call
     # (module docstring: the H200's); a negative value: no mixed calls
     mixed_step_s: float = 0.3e-3
-    mixed_longest: int = 256  # cuda's default: mixed graphs at the prefill lengths up to this
+    mixed_longest: int = 512  # cuda's default: packed streams up to this many positions
 
     @classmethod
     def load(cls, path: Path | None) -> Timings:
@@ -128,9 +129,7 @@ class SimSlots:
         self.prefill_lengths = (64, 128, 256) if self.seq <= 256 else (256, 1024, self.seq)
         self.prefill_batch = timings.prefill_batch
         mixes = timings.mixed_step_s >= 0 and self.batch > 1
-        self.mixed_lengths = tuple(
-            n for n in self.prefill_lengths if mixes and n <= timings.mixed_longest
-        )
+        self.mixed_lengths = mixed_lengths(bucket, None, timings.mixed_longest) if mixes else ()
         self.mixed_batch = min(self.prefill_batch, self.batch - 1) if self.mixed_lengths else 0
         self._next: dict[int, int] = {}  # slot in use -> its next position
 
@@ -182,17 +181,18 @@ class SimSlots:
         sampling: Any = None,
     ) -> Pending:
         """A step of ``slots`` and the prompts prefilled into ``prompt_slots`` in one pass:
-        the prompts' prefill time plus ``mixed_step_s``."""
-        length = max(self.prefill_positions(len(p)) for p in prompts)
-        if length not in self.mixed_lengths or not 1 <= len(prompts) <= self.mixed_batch:
-            raise ValueError(f"{len(prompts)} prompts of {length} in a mixed call")
+        a prefill call's time at the packed stream's length, plus ``mixed_step_s``."""
+        total = sum(len(p) for p in prompts)
+        length = next((n for n in self.mixed_lengths if n >= total), None)
+        if length is None or not 1 <= len(prompts) <= self.mixed_batch:
+            raise ValueError(f"{len(prompts)} prompts of {total} tokens in a mixed call")
         for s in slots:
             if self._next.get(s, self.seq) >= self.seq:
                 raise ValueError(f"slot {s} of {self.bucket.name} cannot step")
         for slot, prompt in zip(prompt_slots, prompts, strict=True):
             if slot in self._next or not 1 <= len(prompt) <= self.seq:
                 raise ValueError(f"slot {slot} of {self.bucket.name}: in use or bad prompt")
-        seconds = self.timings.prefill(length * len(prompts)) + self.timings.mixed_step_s
+        seconds = self.timings.prefill(length) + self.timings.mixed_step_s
         done = self.device.enqueue(seconds)
         out = []
         for s in slots:

@@ -43,9 +43,9 @@ def test_sim_slots_step_their_rows_and_refuse_what_real_slots_refuse():
 
 
 def test_sim_mixed_calls_step_and_prefill_in_one_call_of_their_summed_cost():
-    timings = Timings(step_s={8: 1e-3}, prefill_call_s=1e-3, prefill_position_s=0.0)
+    timings = Timings(step_s={8: 1e-3}, prefill_call_s=1e-3, prefill_position_s=1e-6)
     slots = SimSlots(Bucket(8, 256), Device(), timings, 64)
-    assert slots.mixed_lengths == (64, 128, 256) and slots.mixed_batch == 7
+    assert slots.mixed_lengths == (64, 128, 192, 256, 384, 512) and slots.mixed_batch == 7
     assert SimSlots(Bucket(1, 256), Device(), timings, 64).mixed_lengths == ()
     off = Timings(mixed_step_s=-1.0)
     assert SimSlots(Bucket(8, 256), Device(), off, 64).mixed_lengths == ()
@@ -53,7 +53,8 @@ def test_sim_mixed_calls_step_and_prefill_in_one_call_of_their_summed_cost():
     busy = slots.device.busy_s
     got = slots.launch_mixed([0], [1, 2], [[1, 2, 3], [4]]).tokens()
     assert got == [slots._token(0, 2), slots._token(1, 3), slots._token(2, 1)]
-    assert slots.device.busy_s - busy == pytest.approx(1e-3 + timings.mixed_step_s)
+    # the packed stream (4 tokens) at the shortest mixed length, 64 positions
+    assert slots.device.busy_s - busy == pytest.approx(1e-3 + 64e-6 + timings.mixed_step_s)
     assert slots.step([0, 1, 2]) == [slots._token(0, 3), slots._token(1, 3), slots._token(2, 1)]
     with pytest.raises(ValueError, match="in use"):
         slots.launch_mixed([0], [1], [[7]])

@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 
+from pipeline.compile import argmax
 from pipeline.compile import decoder as dec
 from pipeline.compile.scheduler import compile_release
 from pipeline.contracts import checkpoint_layout
@@ -220,13 +221,13 @@ def test_greedy_token_is_the_first_maximum(vocab):
     spread = torch.randn(2, 1, vocab, generator=g)
     spread[1, 0, [vocab // 3, vocab - 1]] = float("nan")  # argmax takes the first NaN
     for logits in (tied, spread):
-        assert torch.equal(dec.first_argmax(logits), logits.argmax(-1))
-    assert (dec.argmax_slices(vocab) > 1) == (vocab >= 8192)
+        assert torch.equal(argmax.first_argmax(logits), logits.argmax(-1))
+    assert (argmax.argmax_slices(vocab) > 1) == (vocab >= 8192)
 
 
 def test_greedy_token_compiled_is_the_first_maximum():
     """The same through inductor (the tiny test models' vocabularies are too small to slice)."""
-    compiled = torch.compile(dec.first_argmax, dynamic=False)
+    compiled = torch.compile(argmax.first_argmax, dynamic=False)
     logits = torch.randint(0, 4, (3, 128256), generator=torch.Generator().manual_seed(0)).float()
     logits[2, 128000] = 7.0
     assert torch.equal(compiled(logits), logits.argmax(-1))

@@ -1,10 +1,11 @@
-"""Mixed graphs (graph ABI 5): a decode step and prompts prefilled into free rows in one call.
+"""Mixed graphs (graph ABI 6): a decode step and prompts, packed end to end into one stream,
+prefilled into free rows in one call.
 
-Eagerly the mixed decoder is its step and its prefill apart, exactly; compiled on cpu
+Eagerly the mixed decoder is its step and each prompt's prefill apart; compiled on cpu
 (fp32) and driven through ``SessionSlots.launch_mixed``, eager and recorded as a CUDA graph
 would be (``ReplayRecorder``), every row's tokens are its prompt's generated alone. Which
-lengths get a mixed graph is the grid's choice or the backend's default, part of the graph
-key, shown by ``plan`` and refused in one line when it names no prefill length.
+stream lengths a bucket's mixed calls take is the grid's choice or the backend's default,
+part of the graph key, shown by ``plan`` and refused in one line when too short.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ store: store
 
 @pytest.fixture(scope="module")
 def buckets(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """b1_s64 and b3_s64 compiled on cpu, b3 with mixed graphs at 32 and 64."""
+    """b1_s64 and b3_s64 compiled on cpu, b3 with a mixed graph used at 32 and 64."""
     from pipeline.compile.scheduler import compile_release
 
     root = tmp_path_factory.mktemp("mixed")
@@ -48,65 +49,88 @@ def buckets(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return root / "work" / "buckets"
 
 
-def test_a_mixed_call_is_its_step_and_its_prefill_apart(tiny_checkpoint):
-    """Eagerly, exactly: the step's rows, each prompt's logits and every cache entry a later
-    step reads; a free row whose held position lies inside its new prompt is overwritten by
-    the prompt (the step's writes come first)."""
+def test_a_mixed_call_is_its_step_and_its_prefills_apart(tiny_checkpoint):
+    """Eagerly: the step's rows, each packed prompt's logits and every cache entry a later
+    step reads equal the step and each prompt's own prefill; a free row whose held position
+    lies inside its new prompt is overwritten by the prompt (the step's writes come first);
+    a placeholder prompt (length 0) repeats the one before it; padding stays in the
+    shortest prompt's row, past its prompt, and finite."""
     prefill = dec.from_checkpoint(tiny_checkpoint, dec.Prefill)
     decode = dec.from_checkpoint(tiny_checkpoint, dec.Decode)
     mixed = dec.from_checkpoint(tiny_checkpoint, dec.Mixed)
-    spec = GraphSpec(4, 64, 2, 4, 8, 512, "float32", "cpu")
+    spec = GraphSpec(5, 64, 2, 4, 8, 512, "float32", "cpu")
     apart = new_cache(spec)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         running = torch.randint(3, 500, (2, 16), generator=g)
         _, first = prefill(running, torch.tensor([10, 16]), torch.tensor([0, 1]), *apart)
         together = tuple(c.clone() for c in apart)
-        tokens = torch.zeros((4, 1), dtype=torch.long)
+        tokens = torch.zeros((5, 1), dtype=torch.long)
         tokens[:2, 0] = first
-        positions = torch.tensor([10, 16, 30, 5])  # rows 2 and 3 free, at held positions
-        prompts = torch.randint(3, 500, (2, 16), generator=g)
-        lengths, slots = torch.tensor([12, 7]), torch.tensor([3, 2])
+        positions = torch.tensor([10, 16, 30, 5, 0])  # rows 2..4 free, at held positions
+        lengths, slots = [12, 7, 9], [3, 2, 4]
+        prompts = [torch.randint(3, 500, (n,), generator=g) for n in lengths]
         keys = torch.arange(32)
         step_logits, step_next = decode(tokens, positions, *apart, keys)
-        prompt_logits, prompt_next = prefill(prompts, lengths, slots, *apart)
-        logits, nxt = mixed(tokens, positions, prompts, lengths, slots, *together, keys)
-    assert torch.equal(nxt, torch.cat((step_next, prompt_next)))
-    torch.testing.assert_close(logits[:2], step_logits[:2], rtol=0, atol=0)
-    torch.testing.assert_close(logits[4:], prompt_logits, rtol=0, atol=0)
+        alone = [prefill(p[None], torch.tensor([len(p)]), torch.tensor([r]), *apart)
+                 for p, r in zip(prompts, slots, strict=True)]  # fmt: skip
+        stream = torch.cat((*prompts, torch.full((4,), 7)))  # 28 real positions, 4 padding
+        logits, nxt = mixed(
+            tokens, positions, stream, torch.tensor([*lengths, 0]), torch.tensor([*slots, 4]),
+            *together, keys,
+        )  # fmt: skip
+    assert torch.equal(nxt[:2], step_next[:2])
+    torch.testing.assert_close(logits[:2], step_logits[:2])
+    for i, (lg, nx) in enumerate(alone):
+        torch.testing.assert_close(logits[5 + i], lg[0])
+        assert int(nxt[5 + i]) == int(nx[0])
+    torch.testing.assert_close(logits[8], logits[7])  # a placeholder repeats the one before
     for a, b in zip(apart, together, strict=True):
         assert torch.equal(a[:, :, :2], b[:, :, :2])  # the step's rows
-        assert torch.equal(a[:, :12, 3], b[:, :12, 3]) and torch.equal(a[:, :7, 2], b[:, :7, 2])
+        for n, r in zip(lengths, slots, strict=True):
+            torch.testing.assert_close(a[:, :n, r], b[:, :n, r])
+        assert torch.isfinite(b[:, 7:11, 2]).all()  # padding: row 2 (the shortest), past 7
+
+
+def test_the_packed_layout_places_every_position():
+    """Positions, rows, segments and last tokens of a stream with a placeholder and padding
+    that the cache's end clamps."""
+    pos, rows, segment, last = dec.packed_layout(
+        torch.tensor([3, 0, 2]), torch.tensor([5, 5, 1]), 8, seq=4
+    )
+    assert pos.tolist() == [0, 1, 2, 0, 1, 2, 3, 3]
+    assert rows.tolist() == [5, 5, 5, 1, 1, 1, 1, 1]
+    assert segment.tolist() == [0, 0, 0, 2, 2, 3, 3, 3]
+    assert last.tolist() == [2, 2, 4]
 
 
 def test_the_compiled_bucket_describes_its_mixed_graphs(buckets):
     spec = GraphSpec.read(buckets / "b3_s64")
-    assert spec.abi == 5 and spec.mixed_lengths == (32, 64) and spec.mixed_batch == 2
-    assert (buckets / "b3_s64" / "mixed_32.pt2").is_file()
+    assert spec.abi == 6 and spec.mixed_lengths == (32, 64) and spec.mixed_batch == 2
+    assert [p.name for p in (buckets / "b3_s64").glob("mixed*")] == ["mixed.pt2"]
     one = GraphSpec.read(buckets / "b1_s64")  # one row: nothing to prefill beside its step
     assert one.mixed_lengths == () and one.mixed_batch == 0
-    assert not list((buckets / "b1_s64").glob("mixed_*"))
+    assert not list((buckets / "b1_s64").glob("mixed*"))
 
 
 @pytest.mark.parametrize("recorded", [False, True])
 def test_mixed_calls_answer_as_each_prompt_alone(buckets, recorded):
-    """Rows joining through mixed calls of one and two prompts, at both mixed lengths, beside
-    a row stepping and a row held; recorded, every mixed call replays a graph of its own
-    (tier, prompts, length)."""
+    """Rows joining through mixed calls of one and two prompts, at both stream lengths, beside
+    a row stepping and a row held; recorded, every mixed call replays the graph of its
+    (tier, length), a single prompt beside a placeholder."""
     graphs = BucketGraphs(buckets / "b3_s64", single_threaded=True)
     alone = DecodeSession(BucketGraphs(buckets / "b1_s64", weights=graphs.weights))
     session = DecodeSession(graphs, recorder=ReplayRecorder() if recorded else None)
     slots = SessionSlots(session)
     if recorded:
-        assert session.mixed_graphs == [
-            (64, p, t) for p in (1, 2) for t in (32, 64)
-        ]  # one tier: the bucket is 64 long
+        assert session.mixed_graphs == [(64, 32), (64, 64)]  # one tier: the bucket is 64 long
+        assert session.mixed_prompts == 2
     assert slots.mixed_lengths == (32, 64) and slots.mixed_batch == 2
     a, b, c, d = [5, 17, 42], list(range(3, 43)), [300, 2, 9, 9], [7] * 30
     got: dict[int, list[int]] = {0: [slots.prefill(0, a)], 1: [], 2: []}
     for _ in range(3):
         got[0] += slots.step([0])
-    # two prompts (b needs the 64 graph, c rides at 64 too) beside row 0's step
+    # two prompts (40 + 4 tokens: a stream of 64, its padding in c's row) beside row 0's step
     t = slots.launch_mixed([0], [2, 1], [b, c]).tokens()
     got[0].append(t[0])
     got[2].append(t[1])
@@ -117,7 +141,7 @@ def test_mixed_calls_answer_as_each_prompt_alone(buckets, recorded):
     want = {s: alone.generate([p], len(got[s]), None)[0] for s, p in ((0, a), (1, c), (2, b))}
     assert got == want
     slots.free(2)
-    # one prompt at 32 beside row 1 stepping while row 0 is held
+    # one prompt (a stream of 32) beside row 1 stepping while row 0 is held
     t = slots.launch_mixed([1], [2], [d]).tokens()
     got[1].append(t[0])
     new = [t[1]]
@@ -163,6 +187,8 @@ def test_launch_mixed_refuses_what_its_graphs_cannot_take(buckets):
     slots.prefill(0, [1, 2, 3])
     with pytest.raises(ValueError, match="in use"):
         slots.launch_mixed([0], [0], [[4, 5]])
+    with pytest.raises(ValueError, match=r"70 tokens in all: .* up to 64"):
+        slots.launch_mixed([0], [1, 2], [[4] * 40, [5] * 30])
     slots.prefill(1, [1, 2])
     with pytest.raises(ValueError, match=r"1\.\.2 prompts"):
         slots.launch_mixed([0], [2, 1, 0], [[4]] * 3)
@@ -172,14 +198,14 @@ def test_launch_mixed_refuses_what_its_graphs_cannot_take(buckets):
     assert len(slots.step([0, 1])) == 2
 
 
-def test_the_demo_grid_s_mixed_graphs_take_only_their_own_length(compiled_store):
+def test_the_demo_grid_s_mixed_calls_take_streams_up_to_its_length(compiled_store):
     config, _ = compiled_store
     bucket = config.parent / "work" / "buckets" / "b2_s64"
     slots = SessionSlots(DecodeSession(BucketGraphs(bucket, single_threaded=True)))
     assert slots.mixed_lengths == (32,) and slots.mixed_batch == 1
     slots.prefill(0, [1, 2, 3])
-    with pytest.raises(ValueError, match=r"of 64 positions: .* \[32\] positions"):
-        slots.launch_mixed([0], [1], [list(range(3, 43))])  # 40 tokens: the 64 graph
+    with pytest.raises(ValueError, match=r"40 tokens in all: .* up to 32"):
+        slots.launch_mixed([0], [1], [list(range(3, 43))])
 
 
 def test_mixed_lengths_come_from_the_grid_or_the_backend_and_go_into_the_key(write_config):
@@ -187,12 +213,13 @@ def test_mixed_lengths_come_from_the_grid_or_the_backend_and_go_into_the_key(wri
     from pipeline.compile.backends.aoti import CpuBackend, CudaBackend
 
     b8, b1 = Bucket(8, 2048), Bucket(1, 2048)
-    prefill = (256, 1024, 2048)
-    assert CudaBackend().mixed_lengths(b8, prefill, None) == (256,)  # up to 256 by default
-    assert CpuBackend().mixed_lengths(b8, prefill, None) == ()
-    assert CudaBackend().mixed_lengths(b8, prefill, (1024,)) == (1024,)
-    assert CudaBackend().mixed_lengths(b8, prefill, ()) == ()
-    assert CudaBackend().mixed_lengths(b1, prefill, None) == ()  # one row: none
+    ladder = (64, 128, 192, 256, 384, 512)
+    assert CudaBackend().mixed_lengths(b8, None) == ladder  # up to 512 by default
+    assert CudaBackend().mixed_lengths(Bucket(2, 100), None) == (64, 128)  # one free row
+    assert CpuBackend().mixed_lengths(b8, None) == ()
+    assert CudaBackend().mixed_lengths(b8, (1000,)) == (1000,)
+    assert CudaBackend().mixed_lengths(b8, ()) == ()
+    assert CudaBackend().mixed_lengths(b1, None) == ()  # one row: none
     plain = load_config(write_config(GRID.replace(", MIXED", "")))
     mixed = load_config(write_config(GRID.replace("MIXED", "mixed_lengths: [32]"), "m.yaml"))
     b3 = Bucket(3, 64)
@@ -204,10 +231,11 @@ def test_mixed_lengths_come_from_the_grid_or_the_backend_and_go_into_the_key(wri
     assert keys.bucket_cache_key(plain, b1, "cpu") == keys.bucket_cache_key(mixed, b1, "cpu")
 
 
-def test_a_mixed_length_that_is_no_prefill_length_is_one_line(write_config):
-    config = write_config(GRID.replace("MIXED", "mixed_lengths: [48]"))
-    with pytest.raises(ConfigError, match=r"buckets.mixed_lengths.*\[48\] are not prefill"):
+def test_a_mixed_length_too_short_for_a_prompt_is_one_line(write_config):
+    config = write_config(GRID.replace("MIXED", "mixed_lengths: [1, 48]"))
+    with pytest.raises(ConfigError, match=r"buckets.mixed_lengths.*\[1\] are too short"):
         load_config(config)
+    assert load_config(write_config(GRID.replace("MIXED", "mixed_lengths: [48]"), "m.yaml"))
 
 
 def test_plan_shows_each_bucket_s_mixed_lengths(write_config):
@@ -216,7 +244,8 @@ def test_plan_shows_each_bucket_s_mixed_lengths(write_config):
     cuda = GRID.replace("backend: cpu", "backend: cuda").replace(", MIXED", "")
     plan = plan_release(load_config(write_config(cuda)))
     got = {b["name"]: b["mixed_lengths"] for b in plan.to_dict()["buckets"]}
-    assert got == {"b1_s64": [], "b3_s64": [32, 64]}  # cuda's default: up to 256
+    # cuda's default: up to 512, here no further than two prompts of the bucket's 64
+    assert got == {"b1_s64": [], "b3_s64": [64, 128]}
 
 
 def test_a_mixed_call_that_does_not_run_leaves_the_slots_as_they_were(buckets, monkeypatch):
@@ -280,6 +309,6 @@ def test_a_mixed_graph_that_cannot_be_built_leaves_its_prompts_to_prefill_apart(
     spec = GraphSpec.read(out)
     assert spec.mixed_lengths == () and spec.mixed_batch == 0
     assert sorted(files) == ["decode.pt2", "graph.json", "prefill.pt2"]
-    assert not list(out.glob("mixed_*"))
+    assert not list(out.glob("mixed*"))
     said = capsys.readouterr().out
-    assert "mixed_16.pt2: not built (NotImplementedError: an op export cannot trace)" in said
+    assert "mixed.pt2: not built (NotImplementedError: an op export cannot trace)" in said

@@ -130,13 +130,14 @@ def test_the_prediction_scales_to_what_the_device_took():
 
 
 def test_call_costs_a_step_by_its_bucket_and_a_mixed_call_by_its_table():
-    table = PrefillCosts({(1, 64): 1.4e-3}, step=1.1e-3, mixed={(1, 64): 1.7e-3, (2, 64): 2e-3})
+    table = PrefillCosts({(1, 64): 1.4e-3}, step=1.1e-3, mixed={64: 1.7e-3, 128: 2e-3})
     cost = call_costs({"b8": 1.1e-3, "b1": 0.9e-3}, {"b8": table})
     at = SimpleNamespace
     assert cost(Call(None, res=at(bucket="b1"))) == 0.9e-3
-    assert cost(Call(None, prompts=2, computed=64, res=at(bucket="b8"))) == 2e-3
+    # a mixed call by its stream's length, whatever its prompts
+    assert cost(Call(None, prompts=2, computed=128, res=at(bucket="b8"))) == 2e-3
+    assert cost(Call(None, prompts=1, computed=96, res=at(bucket="b8"))) == pytest.approx(1.85e-3)
     assert cost(Call(None, prompts=1, computed=64, prefill=True, res=at(bucket="b8"))) == 1.4e-3
-    assert cost(Call(None, prompts=1, computed=128, res=at(bucket="b8"))) is None
     assert cost(Call(None, prompts=1, computed=64, res=at(bucket="b1"))) is None
     assert cost(Call(None, res=at(bucket="b32"))) is None
 

@@ -1,6 +1,6 @@
 """``serve --fold-prompts``: a prefill call that rides in its bucket's step (a mixed call).
 
-The choice (``placement.fold_call``) is a pure function; the engine's side runs on the fake
+The choice (``placement.fold_prompts``) is a pure function; the engine's side runs on the fake
 slots of ``test_serve_engine`` with a ``launch_mixed`` added (the fake's answers depend only
 on each row's own tokens, so every answer is compared with its prompt generated alone);
 the start-up measurement on a fake clock. The real mixed graphs on cpu are in
@@ -18,7 +18,7 @@ from pipeline.contracts.bucket import Bucket
 from pipeline.runtime.pending import RanThenFailed, Ready
 from pipeline.server.jobs import Failed, Finished
 from pipeline.server.metrics import Metrics
-from pipeline.server.placement import fold_call
+from pipeline.server.placement import fold_prompts
 from pipeline.server.prefill_costs import PrefillCosts, measure
 from tests.test_serve_engine import (
     BatchedSlots,
@@ -33,38 +33,35 @@ from tests.test_serve_engine import (
 # --- the choice ------------------------------------------------------------------------------
 
 
-def test_fold_call_takes_the_call_that_saves_most_and_only_what_a_mixed_graph_holds():
-    calls = [(32, "abc"), (64, "de"), (16, "f")]
-    saving = {(3, 32): 0.5, (2, 64): 0.9, (1, 16): 2.0}
-    assert fold_call(calls, (32, 64), 4, lambda p, t: saving[p, t]) == 1
-    assert fold_call(calls, (32,), 4, lambda p, t: saving[p, t]) == 0  # 64 has no graph
-    assert fold_call(calls, (32, 64), 2, lambda p, t: saving[p, t]) == 1  # 3 prompts: too many
-    assert fold_call(calls, (32, 64), 1, lambda p, t: saving[p, t]) is None
-    # nothing saves (a mixed call dearer than the call and the step apart): no fold
-    assert fold_call(calls, (32, 64), 4, lambda p, t: -0.1) is None
-    assert fold_call(calls, (32, 64), 4, lambda p, t: None) is None  # not measured
-    # always (no measure): the call of most prompts
-    assert fold_call(calls, (32, 64, 16), 4, None) == 0
-    assert fold_call([], (32,), 4, None) is None
+def test_fold_prompts_packs_admitted_prompts_in_order_within_the_stream_and_the_count():
+    assert fold_prompts([30, 20, 10], 64, 4, 256) == [0, 1, 2]
+    assert fold_prompts([30, 40, 10, 20], 64, 4, 256) == [0, 2, 3]  # 40 does not fit past 30
+    assert fold_prompts([30, 20, 10], 64, 2, 256) == [0, 1]  # at most two prompts
+    assert fold_prompts([100, 20], 64, 4, 256) == [1]  # longer than the stream: apart
+    assert fold_prompts([64, 20], 512, 4, 64) == [1]  # the bucket's whole length: apart
+    assert fold_prompts([], 64, 4, 256) == []
 
 
-def test_the_fold_saving_is_the_call_and_the_step_apart_less_the_mixed_call():
-    costs = PrefillCosts({(1, 32): 1.0, (2, 32): 1.2}, step=0.9, mixed={(1, 32): 1.1, (2, 32): 1.5})
-    assert costs.fold_saving(1, 32) == pytest.approx(0.8)
-    assert costs.fold_saving(2, 32) == pytest.approx(0.6)
-    assert costs.fold_saving(1, 64) is None
-    assert "a step 900.00ms; mixed 32: 1×1100.00ms 2×1500.00ms" in costs.describe()
+def test_the_fold_saving_is_the_calls_and_the_step_apart_less_the_mixed_call():
+    costs = PrefillCosts({(1, 32): 1.0}, step=0.9, mixed={32: 1.1, 64: 1.5})
+    assert costs.fold_saving(1.0, 32) == pytest.approx(0.8)
+    assert costs.fold_saving(2.0, 48) == pytest.approx(2.0 + 0.9 - 1.3)  # interpolated
+    assert costs.mixed_call(16) == pytest.approx(1.1)  # below the shortest: the shortest's
+    assert costs.mixed_call(128) == pytest.approx(3.0)  # past the longest: proportional
+    assert PrefillCosts({(1, 32): 1.0}).fold_saving(1.0, 32) == float("-inf")  # unmeasured
+    assert "a step 900.00ms; mixed, by stream length, 32:1100.00ms 64:1500.00ms" in costs.describe()
 
 
 # --- the engine ----------------------------------------------------------------------------------
 
 
 class MixingSlots(LaunchingSlots, BatchedSlots):
-    """Launching slots with mixed calls of up to ``mixed_batch`` prompts at
-    ``mixed_lengths``, logged as ("mixed", bucket, step slots, prompt slots); the prompts
-    fill their slots after the step, as on the device. ``failing_mixed``: raise at launch."""
+    """Launching slots with mixed calls of up to ``mixed_batch`` prompts packed into a
+    stream of at most ``mixed_lengths``' longest, logged as ("mixed", bucket, step slots,
+    prompt slots); the prompts fill their slots after the step, as on the device.
+    ``failing_mixed``: raise at launch."""
 
-    mixed_lengths = (16,)
+    mixed_lengths = (8, 16)
     mixed_batch = 2
     prefill_batch = 2
     failing_mixed: type[Exception] | None = None  # raised at launch, before anything runs
@@ -78,7 +75,7 @@ class MixingSlots(LaunchingSlots, BatchedSlots):
         prompts: Sequence[Sequence[int]],
         sampling: Any = None,
     ) -> FakePending:
-        if not 1 <= len(prompts) <= self.mixed_batch or any(len(p) > 16 for p in prompts):
+        if not 1 <= len(prompts) <= self.mixed_batch or sum(map(len, prompts)) > 16:
             raise ValueError(f"{len(prompts)} prompts in a mixed call")
         if set(prompt_slots) & set(self.rows) or set(prompt_slots) & set(slots):
             raise ValueError("a prompt into a slot in use")
@@ -147,13 +144,13 @@ def test_off_or_without_a_mixed_graph_for_the_length_prompts_prefill_apart():
     assert not mixed_calls(m)
     m = MixingModel(prefill_lengths={B: (16,)})
     first = request(range(10, 14), 10)
-    long = request(range(40, 60), 6)  # 20 tokens: prefill length 64, no mixed graph
+    long = request(range(40, 60), 6)  # 20 tokens: longer than the longest stream
     out = staggered(m, [first], [long], fold="always")
     assert not mixed_calls(m) and out[1][0] == alone(long.prompt, 6)
 
 
 def test_always_folds_whatever_the_timings_say():
-    dear = PrefillCosts({(1, 16): 1.0}, step=1.0, mixed={(1, 16): 2.5})
+    dear = PrefillCosts({(1, 16): 1.0}, step=1.0, mixed={8: 2.5, 16: 2.6})
     m = MixingModel(prefill_lengths={B: (16,)})
     first, join = request(range(10, 14), 10), request([30, 5], 6)
     staggered(m, [first], [join], fold="always", call_costs={B: dear})
@@ -161,8 +158,8 @@ def test_always_folds_whatever_the_timings_say():
 
 
 def test_auto_folds_where_the_measured_mixed_call_is_cheaper():
-    cheap = PrefillCosts({(1, 16): 1.0, (2, 16): 1.1}, step=1.0, mixed={(1, 16): 1.2, (2, 16): 1.3})
-    dear = PrefillCosts({(1, 16): 1.0, (2, 16): 1.1}, step=1.0, mixed={(1, 16): 2.5, (2, 16): 2.6})
+    cheap = PrefillCosts({(1, 16): 1.0, (2, 16): 1.1}, step=1.0, mixed={8: 1.2, 16: 1.3})
+    dear = PrefillCosts({(1, 16): 1.0, (2, 16): 1.1}, step=1.0, mixed={8: 2.5, 16: 2.6})
     for costs, folds in ((cheap, True), (dear, False), (None, False)):
         m = MixingModel(prefill_lengths={B: (16,)})
         first, join = request(range(10, 14), 10), request([30, 5], 6)
@@ -270,11 +267,11 @@ def test_folded_prefills_are_counted_apart_and_with_every_prefill():
 
 class ClockedSlots:
     """Slots whose calls advance a fake clock: a step 1 ms, a prefill 1 ms + 10 µs a
-    position, a mixed call the step + 20 µs a prompt position; rows must be freed before
+    position, a mixed call the step + 20 µs a stream position; rows must be freed before
     they are filled again."""
 
     batch, seq, prefill_batch, prefill_lengths = 4, 16, 4, (8, 16)
-    mixed_lengths, mixed_batch = (8,), 3
+    mixed_lengths, mixed_batch = (8, 24), 3
 
     def __init__(self) -> None:
         self.now, self.used = 0.0, set()
@@ -303,8 +300,9 @@ class ClockedSlots:
     def launch_mixed(self, slots, prompt_slots, prompts) -> Any:
         assert set(slots) <= self.used and 0 not in prompt_slots
         self._fill(prompt_slots)
-        self.mixed.append((len(prompts), len(prompts[0])))
-        self.now += 1e-3 + 2e-5 * len(prompts) * len(prompts[0])
+        assert all(len(p) < self.seq for p in prompts)
+        self.mixed.append((len(prompts), sum(map(len, prompts))))
+        self.now += 1e-3 + 2e-5 * sum(map(len, prompts))
         return Ready([0] * (len(slots) + len(prompts)))
 
     def free(self, slot: int) -> None:
@@ -316,9 +314,10 @@ def test_measure_times_a_step_and_each_mixed_call_and_frees_every_row():
     costs = measure(slots, reps=3, clock=slots.clock)
     assert costs is not None and not slots.used
     assert costs.step == pytest.approx(1e-3)
-    assert sorted(costs.mixed) == [(1, 8), (2, 8), (3, 8)]
-    assert costs.mixed[2, 8] == pytest.approx(1e-3 + 2 * 8 * 2e-5)
-    assert costs.fold_saving(2, 8) == pytest.approx(costs(2, 8) + 1e-3 - costs.mixed[2, 8])
-    # limited to the largest call the engine makes
+    assert sorted(costs.mixed) == [8, 24]  # 24: two prompts of 12, each under the bucket's 16
+    assert costs.mixed[24] == pytest.approx(1e-3 + 24 * 2e-5)
+    assert (2, 24) in slots.mixed
+    assert costs.fold_saving(costs(2, 8), 8) == pytest.approx(costs(2, 8) + 1e-3 - costs.mixed[8])
+    # limited to the largest call the engine makes: one prompt cannot fill 24
     few = measure(ClockedSlots(), clock=slots.clock, limit=1)
-    assert few is not None and sorted(few.mixed) == [(1, 8)]
+    assert few is not None and sorted(few.mixed) == [8]

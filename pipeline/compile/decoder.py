@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.compile import decode_attention
+from pipeline.compile.argmax import greedy
 from pipeline.contracts.checkpoint_layout import fuse_checkpoint
 from pipeline.errors import UnsupportedArchitectureError
 from pipeline.plan.checkpoint import ARCHITECTURES
@@ -44,8 +45,10 @@ class Caches(NamedTuple):
     k: Tensor  # [L, S, B, KV, D]
     v: Tensor
     layer: int
-    rows: Tensor  # [N] the cache row of each sequence of this call
+    rows: Tensor  # [N] the cache row of each sequence of this call ([N, T]: of each position)
     keys: Tensor | None  # [S'] cache positions attended, 0..S'-1; None for a prefill
+    # [N, T] for a packed prefill (``Mixed``): each position attends only its own segment
+    segment: Tensor | None = None
 
 
 class Part(NamedTuple):
@@ -109,11 +112,11 @@ class Attention(nn.Module):
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        k_cache, v_cache, layer, rows, keys = caches
+        k_cache, v_cache, layer, rows, keys, segment = caches
         write_cache(k_cache, layer, k, pos, rows)
         write_cache(v_cache, layer, v, pos, rows)
         if keys is None:  # prefill: the whole context is k and v themselves
-            y = attend(q, k, v, pos, pos, self.window)
+            y = attend(q, k, v, pos, pos, self.window, segment)
         elif DECODE_ATTENTION_KERNEL and decode_attention.usable(q):
             n = keys.shape[0]
             y = decode_attention.attend(q, k_cache[layer], v_cache[layer], pos, n, self.window)
@@ -273,17 +276,26 @@ class Decode(Decoder):
 
 
 class Mixed(Decoder):
-    """Mixed graph: ``Decode``'s step of every row and ``Prefill``'s P prompts of T tokens in
-    one call, so the prompts ride in the step's pass over the weights.
+    """Mixed graph: ``Decode``'s step of every row and P prompts packed end to end into one
+    stream of T tokens, in one call, so the prompts ride in the step's pass over the weights.
 
     On a GPU a small prefill call costs about what a step costs, a pass over the weights
     whatever its few positions (bench/RESULTS.md, eighteenth round: 60 % of the current
     replay's device time was prefill calls of ~70-token prompts). Here the projections and
-    the MLP take the B step rows and the P·T prompt positions in one matrix product each,
-    as vLLM's chunked prefill and Sarathi's piggybacking do, and attention runs per part:
-    the step over its rows' cache prefix (``key_positions``), each prompt over itself. The
-    prompts fill rows the step does not use; the step's writes come first (a free row's
-    step writes at its held position, which its prompt then overwrites)."""
+    the MLP take the B step rows and the T stream positions in one matrix product each, as
+    vLLM's chunked prefill and Sarathi's piggybacking do, and attention runs per part: the
+    step over its rows' cache prefix (``key_positions``), the stream causally within each
+    prompt (a block-diagonal mask). Packed, a prompt costs its own positions: padded to a
+    common prefill length (graph ABI 5), 55 % of a folded call's positions were padding on
+    the current replay (bench/RESULTS.md, twenty-third round).
+
+    The stream holds the prompts in order, then padding up to T. A prompt of length 0 is a
+    placeholder (a recorded call's unused prompt): it owns no position and repeats the
+    previous prompt's output. Padding positions go to the shortest prompt's row after its
+    own positions (junk that its first decode step overwrites before it reads it, as a
+    padded prefill's), and attend only padding, so they stay finite. The prompts fill rows
+    the step does not use; the step's writes come first (a free row's step writes at its
+    held position, which its prompt then overwrites)."""
 
     def forward(
         self,
@@ -296,59 +308,48 @@ class Mixed(Decoder):
         v_cache: Tensor,
         key_positions: Tensor,
     ):
-        # tokens [B, 1], positions [B]: decode's; prompt_*: prefill's [P, T], [P], [P]
+        # tokens [B, 1], positions [B]: decode's; prompt_tokens [T] the packed stream,
+        # prompt_lengths [P] (0: a placeholder), prompt_slots [P] the rows they fill
         b = tokens.shape[0]
-        p, t = prompt_tokens.shape
+        t = prompt_tokens.shape[0]
         dev = tokens.device
-        step_pos = positions[:, None]
-        prompt_pos = torch.arange(t, device=dev).expand(p, t)
-        flat = torch.cat((tokens.reshape(b), prompt_tokens.reshape(p * t)))
+        pos, rows, segment, last = packed_layout(prompt_lengths, prompt_slots, t, k_cache.shape[1])
+        flat = torch.cat((tokens.reshape(b), prompt_tokens))
         x = self.model.embed_tokens(flat)
+        step_pos = positions[:, None]
         step_cos, step_sin = self.rotary(step_pos, x.dtype)
-        prompt_cos, prompt_sin = self.rotary(prompt_pos, x.dtype)
-        rows = torch.arange(b, device=dev)
-        step = Caches(k_cache, v_cache, 0, rows, key_positions)
-        prompts = Caches(k_cache, v_cache, 0, prompt_slots, None)
+        prompt_cos, prompt_sin = self.rotary(pos[None], x.dtype)
+        step = Caches(k_cache, v_cache, 0, torch.arange(b, device=dev), key_positions)
+        stream = Caches(k_cache, v_cache, 0, rows[None], None, segment[None])
         parts = [
             Part(b, 1, step_cos, step_sin, step_pos, step),
-            Part(p, t, prompt_cos, prompt_sin, prompt_pos, prompts),
+            Part(1, t, prompt_cos, prompt_sin, pos[None], stream),
         ]
         for i, layer in enumerate(self.model.layers):
             x = layer.forward_parts(x, parts, i)
-        last = x[b:].view(p, t, -1)[torch.arange(p, device=dev), prompt_lengths - 1]
-        return greedy(self.logits(torch.cat((x[:b], last))))
+        return greedy(self.logits(torch.cat((x[:b], x[b:][last]))))
 
 
-def greedy(logits: Tensor) -> tuple[Tensor, Tensor]:
-    # The argmax inside the graph: compiled, it is one tuned kernel instead of an eager one
-    # per step (on an H200, 0.07 ms of a 1.3 ms Llama-3.2-1B step).
-    return logits, first_argmax(logits)
-
-
-def first_argmax(logits: Tensor) -> Tensor:
-    """``logits.argmax(-1)`` (the first index of the maximum) in two stages: the argmax of
-    each of ~128 slices of the vocabulary, then of their maxima.
-
-    Inductor does not split an argmax, so one row's argmax was one program reading the whole
-    vocabulary serially: 20 µs of a 1.0 ms batch-1 step on an H200 (128,256 tokens,
-    bench/profile_cuda_decode.py). Slices make the first stage one program per slice."""
-    v = logits.shape[-1]
-    n = argmax_slices(v)
-    if n == 1:
-        return logits.argmax(-1)
-    sliced = logits.view(*logits.shape[:-1], n, v // n)
-    # the first slice holding the maximum, then the first index of it in that slice
-    best = sliced.amax(-1).argmax(-1, keepdim=True)
-    return (best * (v // n) + sliced.argmax(-1).gather(-1, best)).squeeze(-1)
-
-
-def argmax_slices(vocab: int) -> int:
-    """The divisor of ``vocab`` nearest 128 (between 16 and 1,024), or 1 for a vocabulary
-    too small to gain (< 8,192) or without one."""
-    if vocab < 8192:
-        return 1
-    divisors = [n for n in range(16, 1025) if vocab % n == 0]
-    return min(divisors, key=lambda n: abs(n - 128), default=1)
+def packed_layout(
+    lengths: Tensor, slots: Tensor, t: int, seq: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Where each of a packed stream's ``t`` positions goes (``Mixed``): its position in its
+    prompt, its cache row, its segment (its prompt's index; padding P) and, per prompt, the
+    stream index of its last token. ``lengths`` [P] may hold 0s (placeholders)."""
+    p = lengths.shape[0]
+    ends = lengths.cumsum(0)  # [P]
+    at = torch.arange(t, device=lengths.device)
+    # the prompt each position falls in: how many prompts end at or before it (P: padding)
+    segment = (at[:, None] >= ends[None, :]).sum(1)
+    own = segment.clamp(max=p - 1)
+    real = segment < p
+    # padding: after the shortest real prompt's own positions, in its row, within the cache
+    shortest = torch.where(lengths > 0, lengths, seq + 1).argmin()
+    pad_pos = (lengths[shortest] + at - ends[-1]).clamp(max=seq - 1)
+    pos = torch.where(real, at - (ends - lengths)[own], pad_pos)
+    rows = torch.where(real, slots[own], slots[shortest])
+    last = (ends - 1).clamp(min=0)
+    return pos, rows, segment, last
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -359,25 +360,33 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def write_cache(cache: Tensor, layer: int, new: Tensor, pos: Tensor, rows: Tensor) -> None:
-    """Write ``new`` at ``pos`` of cache rows ``rows`` into layer ``layer`` of ``cache``, in
-    place.
+    """Write ``new`` at ``pos`` of cache rows ``rows`` (one per sequence, or one per
+    position) into layer ``layer`` of ``cache``, in place.
 
     One index_put on the whole [L, S, B, KV, D] cache, not a scatter into the layer's view:
     compiled, a write through a view of a graph input became a copy of the whole cache per
     layer and step (on an H200 at batch 32, 1.5 ms of a 2.9 ms Llama-3.2-1B decode step;
     bench/profile_cuda_decode.py), while an index_put on the input itself stays in place."""
-    # cache: [L, S, B, KV, D]; new: [N, KV, T, D]; pos: [N, T]; rows: [N]
+    # cache: [L, S, B, KV, D]; new: [N, KV, T, D]; pos: [N, T]; rows: [N] or [N, T]
     kv = new.shape[1]
     at = torch.full((1, 1, 1), layer, dtype=torch.long, device=pos.device)
     heads = torch.arange(kv, device=pos.device)[None, :, None]
-    cache.index_put_((at, pos[:, None, :], rows[:, None, None], heads), new)
+    where = rows[:, None, :] if rows.dim() == 2 else rows[:, None, None]
+    cache.index_put_((at, pos[:, None, :], where, heads), new)
 
 
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, pos: Tensor, keys: Tensor, window: int | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: Tensor,
+    keys: Tensor,
+    window: int | None,
+    segment: Tensor | None = None,
 ) -> Tensor:
     # q: [B, H, T, D]; k, v: [B, KV, S', D]; pos: [B, T] the queries' positions; keys: [B, S']
-    # (or [1, S']) the keys' positions -> [B, H, T, D]
+    # (or [1, S']) the keys' positions -> [B, H, T, D]; segment [B, T] (queries and keys are
+    # the same positions then): a packed prefill, each position sees only its own segment
     # Decode passes the first S' cache positions: its cost follows the filled length, not
     # the bucket's. The cache is position-major so that this prefix is a dense block for any
     # S' (a slice of an inner dimension would make export specialise S' to the bucket
@@ -388,6 +397,8 @@ def attend(
     visible = keys <= pos[..., None]  # causal: [B, T, S']
     if window is not None:
         visible = visible & (keys > pos[..., None] - window)
+    if segment is not None:
+        visible = visible & (segment[:, None, :] == segment[..., None])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], enable_gqa=True)
 
 

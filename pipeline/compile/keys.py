@@ -27,8 +27,8 @@ from pipeline.plan.report import release_gqa_plan
 
 # Bump when what a backend writes for the same inputs changes (graph ABI, file layout).
 # 3: graphs and prepared weights cached apart; 4: graph ABI 3; 5: graph ABI 4 (slots);
-# 6: graph ABI 5 (mixed graphs)
-FORMAT_VERSION = 6
+# 6: graph ABI 5 (mixed graphs); 7: graph ABI 6 (a mixed graph's prompts packed)
+FORMAT_VERSION = 7
 # config.json fields that never reach the compiled graphs (a deny-list, on purpose: a field
 # we do not know is treated as one the graphs bake in, so an unknown field costs at worst a
 # needless recompile, never a graph paired with an architecture it was not built for).
@@ -101,7 +101,7 @@ def key_material(
     if be.prefill_per_length:
         prefill = prefill_lengths(bucket, release.grid.prefill_lengths)
         material["prefill_lengths"] = list(prefill)
-        mixed = be.mixed_lengths(bucket, prefill, release.grid.mixed_lengths)
+        mixed = be.mixed_lengths(bucket, release.grid.mixed_lengths)
         if mixed:  # in the key only where there are any
             material["mixed_lengths"] = list(mixed)
     if be.graphs_depend_on_weights:

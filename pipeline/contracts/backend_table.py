@@ -20,8 +20,8 @@ class BackendSpec:
     compiler: str  # a pipeline.compile.backends.base.Backend subclass
     runtime: str | None = None  # a pipeline.runtime.runners.Runner factory; None: not servable
     parity: str | None = None  # a pipeline.parity runner class; None: no parity check
-    # a grid without mixed_lengths gets mixed graphs (a step and prompts in one call) at
-    # the prefill lengths up to this (0: none; contracts.bucket.mixed_lengths)
+    # a grid without mixed_lengths gets a mixed graph (a step and prompts in one call)
+    # whose packed prompts run to this many tokens (0: none; contracts.bucket.mixed_lengths)
     mixed_longest: int = 0
 
 
@@ -40,10 +40,10 @@ BACKENDS: dict[str, BackendSpec] = {
             runtime="pipeline.runtime.aoti:AotiRunner",
             parity="pipeline.parity.targets:AotiTarget",
             # a short prompt's prefill call costs about a step on a GPU (a pass over the
-            # weights), so folding it into the step saves most of that; a long prompt's
-            # prefill is compute, which folding does not shrink, and each mixed graph is
-            # one more compile (bench/RESULTS.md, eighteenth round)
-            mixed_longest=256,
+            # weights), so folding it into the step saves most of that (bench/RESULTS.md,
+            # eighteenth round); past a few hundred positions a call is compute, which
+            # folding does not shrink, and a long call stalls every running row
+            mixed_longest=512,
         ),
         BackendSpec(
             "cpu",
@@ -68,8 +68,8 @@ def spec(name: str) -> BackendSpec:
 
 
 def mixed_longest(name: str) -> int:
-    """The prefill lengths up to which backend ``name``'s buckets get mixed graphs where the
-    grid names none (0: none, also for a backend not in the table)."""
+    """The longest packed stream backend ``name``'s mixed calls take where the grid names no
+    mixed lengths (0: no mixed graph, also for a backend not in the table)."""
     entry = BACKENDS.get(name)
     return entry.mixed_longest if entry else 0
 

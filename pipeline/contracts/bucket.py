@@ -43,18 +43,30 @@ def prefill_lengths(bucket: Bucket, configured: Sequence[int] = ()) -> tuple[int
     return (*sorted({n for n in configured if n < bucket.seq}), bucket.seq)
 
 
+# The packed stream lengths a backend's default ``mixed_lengths`` are taken from: steps of
+# 64 while short (a call pads to the next one), then wider (a long call's padding is a
+# small part of it). Each is a recorded CUDA graph per key tier, not a compile.
+MIXED_LADDER = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
 def mixed_lengths(
-    bucket: Bucket, prefill: Sequence[int], configured: Sequence[int] | None, longest: int
+    bucket: Bucket, configured: Sequence[int] | None, longest: int
 ) -> tuple[int, ...]:
-    """The prefill lengths ``prefill`` of ``bucket`` that also get a mixed graph: the
-    ``configured`` ones among them, or where none are configured (None) those up to
-    ``longest`` (the backend's default); none in a bucket of one row, whose only slot is
-    the one stepping."""
+    """The packed stream lengths ``bucket``'s mixed calls take (its prompts end to end,
+    padded to the shortest that holds them): the ``configured`` ones, or where none are
+    configured (None) ``MIXED_LADDER`` up to ``longest``, and no further than the first that
+    holds a prompt in every free row (the backend's default); none in a bucket of one row,
+    whose only slot is the one stepping."""
     if bucket.batch < 2:
         return ()
-    if configured is None:
-        return tuple(n for n in prefill if n <= longest)
-    return tuple(n for n in prefill if n in set(configured))
+    if configured is not None:
+        return tuple(sorted(set(configured)))
+    out: list[int] = []
+    for n in MIXED_LADDER:
+        if n > longest or (out and out[-1] >= (bucket.batch - 1) * bucket.seq):
+            break
+        out.append(n)
+    return tuple(out)
 
 
 def select_bucket(buckets: Iterable[Bucket], batch: int, seq: int) -> Bucket | None:

@@ -7,9 +7,8 @@ A bucket directory holds::
     prefill.pt2          AOTInductor package: prefill at the bucket's sequence length S
     prefill_<T>.pt2      the same at each shorter prefill length T (``prefill_lengths``)
     decode.pt2           AOTInductor package
-    mixed_<T>.pt2        a decode step and prompts of T tokens in one call, at each T of
-                         ``mixed_lengths`` (a subset of the prefill lengths; none by default
-                         on cpu)
+    mixed.pt2            a decode step and prompts packed into one stream, in one call
+                         (where ``mixed_lengths`` names any; none by default on cpu)
     weights.safetensors  every constant of every graph, by name (identical in every bucket
                          of a release, so the store keeps one blob and a loader one copy)
 
@@ -50,14 +49,22 @@ greedy step needs no kernel of its own and a sampling step needs no new graph.
 
 ``mixed(tokens, positions, prompt_tokens, prompt_lengths, prompt_slots, k_cache, v_cache,
 key_positions) -> (logits, next_tokens)``
-    decode's step of every row and prefill's P prompts, in one pass over the weights: the
-    matrix products take the B step rows and the P·T prompt positions together, and each
-    part attends as it would alone (the step over its rows' cache prefix, each prompt only
-    itself). Inputs as the two graphs name them; P is 1..``mixed_batch``, T the package's
-    length, ``prompt_slots`` rows the step does not use (their step outputs are ignored).
-    The step's cache writes come first, then the prompts': a free row's step writes at its
-    held position, and a prompt filling that row overwrites it.
-    logits      fp32  [B + P, V]  the B step rows, then each prompt's last real token
+    decode's step of every row and P prompts packed end to end into one stream, in one pass
+    over the weights: the matrix products take the B step rows and the T stream positions
+    together; the step attends its rows' cache prefix, each prompt only itself.
+    tokens, positions, key_positions: decode's
+    prompt_tokens  int64 [T]  the prompts in order, then padding (any id) up to T; T is a
+                              dynamic size, 2..max(``mixed_lengths``); callers pad to one
+                              of ``mixed_lengths`` (the lengths CUDA graphs are recorded at)
+    prompt_lengths int64 [P]  each prompt's tokens, 1..S; 0: a placeholder (after the
+                              prompts), which owns no position and repeats the output of
+                              the prompt before it. Σ ≤ T; where Σ < T the shortest prompt
+                              is < S (its row takes the padding, past its prompt)
+    prompt_slots   int64 [P]  the rows they fill: distinct, rows the step does not use
+                              (a placeholder: the row of the prompt before it)
+    P is 1..``mixed_batch``. The step's cache writes come first, then the stream's: a free
+    row's step writes at its held position, and a prompt filling that row overwrites it.
+    logits      fp32  [B + P, V]  the B step rows, then each prompt's last token
     next_tokens int64 [B + P]     argmax of logits
 
 Weights: Hugging Face names, with q/k/v and gate/up stacked into ``qkv_proj`` and
@@ -84,11 +91,13 @@ from typing import Any
 # 2: fused qkv_proj / gate_up_proj weights; next_tokens output. 3: decode's key_positions.
 # 4: slots: prefill fills the cache rows it is given, at one of several prompt lengths.
 # 5: mixed graphs (a step and prompts in one call); graph.json's mixed_lengths, mixed_batch
-ABI_VERSION = 5
+# 6: a mixed graph's prompts packed into one stream of any length (mixed.pt2), not padded
+# to a common prefill length (mixed_<T>.pt2)
+ABI_VERSION = 6
 GRAPH_FILE = "graph.json"
 PREFILL_FILE = "prefill.pt2"  # at the bucket's own length; shorter ones: prefill_file(T)
 DECODE_FILE = "decode.pt2"
-MIXED_FILE = "mixed_{}.pt2"  # by prompt length: mixed_file(T)
+MIXED_FILE = "mixed.pt2"
 WEIGHTS_FILE = "weights.safetensors"
 PREFILL_INPUTS = ("tokens", "lengths", "slots", "k_cache", "v_cache")
 DECODE_INPUTS = ("tokens", "positions", "k_cache", "v_cache", "key_positions")
@@ -137,8 +146,8 @@ class GraphSpec:
     # prompts one prefill call takes: 1..this many (the batch; 1 where export could not make
     # that size dynamic)
     prefill_batch: int = 1
-    # the prefill lengths that also have a mixed graph (empty: none), and the prompts one
-    # mixed call takes (1..this many; at most batch - 1, since a prompt needs a free row)
+    # the packed stream lengths a mixed call is padded to (empty: no mixed graph), and the
+    # prompts one mixed call takes (1..this many; at most batch - 1: a prompt needs a free row)
     mixed_lengths: tuple[int, ...] = ()
     mixed_batch: int = 0
     mixed_inputs: tuple[str, ...] = MIXED_INPUTS
@@ -146,6 +155,10 @@ class GraphSpec:
     def __post_init__(self) -> None:
         if not self.prefill_lengths:
             object.__setattr__(self, "prefill_lengths", (self.seq,))
+
+    def mixed_length(self, tokens: int) -> int | None:
+        """The shortest mixed length that holds a stream of ``tokens`` (None: none does)."""
+        return next((n for n in self.mixed_lengths if n >= tokens), None)
 
     def prefill_length(self, prompt: int) -> int:
         """The shortest prefill length that holds a prompt of ``prompt`` tokens."""
@@ -192,11 +205,6 @@ def prefill_file(length: int, seq: int | None = None) -> str:
     """The package of the prefill graph at ``length`` tokens: ``prefill.pt2`` at the bucket's
     own length ``seq`` (or when ``seq`` is not given and the caller means that one)."""
     return PREFILL_FILE if seq is None or length == seq else f"prefill_{length}.pt2"
-
-
-def mixed_file(length: int) -> str:
-    """The package of the mixed graph whose prompts are ``length`` tokens."""
-    return MIXED_FILE.format(length)
 
 
 def key_tiers(seq: int, smallest: int = SMALLEST_TIER) -> tuple[int, ...]:

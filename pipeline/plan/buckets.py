@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.contracts.bucket import Bucket
 
@@ -23,11 +23,11 @@ class BucketGrid(BaseModel):
     # length (those below it; cpu/cuda only): a short prompt in a long bucket pays for its
     # own length. `buckets fit` fits them to a trace's prompt lengths.
     prefill_lengths: list[PositiveInt] = Field(default_factory=list)
-    # Prompt lengths (of the prefill lengths and sequence lengths) whose prompts may also be
-    # prefilled inside a decode step, by a mixed graph of their own (cpu/cuda; buckets of
-    # batch ≥ 2): a prompt admitted into a running bucket then costs no pass over the
-    # weights of its own. None: the backend's default (cuda: the prefill lengths up to 256;
-    # cpu: none); []: none.
+    # Lengths of the packed stream in which prompts may also be prefilled inside a decode
+    # step, by the bucket's mixed graph (cpu/cuda; buckets of batch ≥ 2): prompts admitted
+    # into a running bucket then cost no pass over the weights of their own, and a call's
+    # prompts, end to end, are padded to the shortest of these that holds them. None: the
+    # backend's default (cuda: 64, 128, 192, 256, 384, 512; cpu: none); []: none.
     mixed_lengths: list[PositiveInt] | None = None
 
     @field_validator("batch_sizes", "sequence_lengths", "prefill_lengths", "mixed_lengths")
@@ -42,14 +42,12 @@ class BucketGrid(BaseModel):
 
     @field_validator("mixed_lengths")
     @classmethod
-    def _mixed_are_prefill_lengths(cls, v: list[int] | None, info: ValidationInfo) -> Any:
-        # the fields above are validated first (declaration order); absent if they failed
-        known = {*info.data.get("prefill_lengths", ()), *info.data.get("sequence_lengths", ())}
-        unknown = sorted(set(v or ()) - known)
-        if unknown:
+    def _mixed_hold_a_prompt(cls, v: list[int] | None) -> Any:
+        short = sorted(n for n in v or () if n < 2)
+        if short:
             raise ValueError(
-                f"{unknown} are not prefill or sequence lengths of this grid; a mixed graph "
-                "prefills prompts of one of those lengths"
+                f"mixed lengths {short} are too short; a mixed call's stream holds at least 2 "
+                "positions"
             )
         return v
 

@@ -41,14 +41,13 @@ class ReleasePlan:
         return (bucket.seq,)
 
     def mixed_lengths(self, bucket: Bucket) -> tuple[int, ...]:
-        """The prompt lengths the bucket also has a mixed graph for (a step and prompts in
+        """The packed stream lengths the bucket's mixed calls take (a step and prompts in
         one call; cpu/cuda): the grid's, or the backend's default up to a length."""
         backend = self.release.config.target.backend
         if backend not in ("cpu", "cuda"):
             return ()
         return mixed_lengths(
             bucket,
-            self.prefill_lengths(bucket),
             self.release.grid.mixed_lengths,
             backend_table.mixed_longest(backend),
         )

@@ -26,10 +26,11 @@ copy. Prefill calls of up to ``PREFILL_GRAPH_PROMPTS`` prompts and ``PREFILL_GRA
 positions are recorded too, one graph per prompt count and prefill length, sharing one memory
 pool: a short prompt's prefill is a few hundred small kernels, whose launches cost more than
 their work (a 256-token prefill took 3.2 ms launched one by one on an H200, the work about
-1 ms). Mixed calls of up to ``MIXED_GRAPH_PROMPTS`` prompts are recorded per tier, prompt
-count and length, on the step's inputs and the prefill graphs' prompt inputs. Longer calls
-run as ordinary calls, their launches hidden behind the work. The caches are zeroed after
-every recording. CPU sessions run the same calls eagerly.
+1 ms). Mixed calls are recorded per tier and mixed length (their prompts packed into one
+stream, padded to that length) with ``MIXED_GRAPH_PROMPTS`` prompt entries, the unused ones
+placeholders, on the step's inputs. Longer calls run as ordinary calls, their launches
+hidden behind the work. The caches are zeroed after every recording. CPU sessions run the
+same calls eagerly.
 
 ``generate`` syncs with the host only every ``EOS_CHECK_EVERY`` steps to see whether every
 row has stopped, so the host queues replays ahead of the GPU instead of waiting on each
@@ -43,7 +44,6 @@ for each row (``held``, None: unknown after a whole-batch call) and the rows ``l
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -61,9 +61,10 @@ EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}  # steps between host syncs (cpu has not
 # the launches, and each graph would hold more memory for nothing).
 PREFILL_GRAPH_PROMPTS = 8
 PREFILL_GRAPH_TOKENS = 4096
-# Mixed calls recorded: up to this many prompts (the engine folds one call of at most
-# --max-prefills, 4 by default, into a step), at every key tier, within the same positions.
-MIXED_GRAPH_PROMPTS = 4
+# Mixed calls recorded with this many prompt entries (placeholders fill those a call does not
+# use; the engine folds at most --max-prefills, 4 by default), at every key tier and mixed
+# length up to PREFILL_GRAPH_TOKENS. A call of more prompts runs as an ordinary call.
+MIXED_GRAPH_PROMPTS = 8
 
 # Streaming: the tokens of one step, one per prompt; True stops generating.
 OnTokens = Callable[[list[int]], bool | None]
@@ -117,7 +118,7 @@ class DecodeSession:
                 self._steps[n], inputs = step, step.inputs
             self.inputs = inputs  # type: ignore[assignment]
         self._prefills: dict[tuple[int, int], StaticGraph] = {}  # (prompts, length) -> graph
-        self._mixed: dict[tuple[int, int, int], StaticGraph] = {}  # (tier, prompts, length)
+        self._mixed: dict[tuple[int, int], StaticGraph] = {}  # (tier, length)
         if self._steps:
             self._record_calls(recorder)
         # The host's mirror of the rows (module docstring; ``SessionSlots`` keeps it).
@@ -154,9 +155,14 @@ class DecodeSession:
         return sorted(self._prefills)
 
     @property
-    def mixed_graphs(self) -> list[tuple[int, int, int]]:
-        """(tier, prompts, length) of every mixed call recorded as a graph."""
+    def mixed_graphs(self) -> list[tuple[int, int]]:
+        """(tier, length) of every mixed call recorded as a graph."""
         return sorted(self._mixed)
+
+    @property
+    def mixed_prompts(self) -> int:
+        """The prompt entries a recorded mixed call takes (0: none recorded)."""
+        return min(self.spec.mixed_batch, MIXED_GRAPH_PROMPTS) if self._mixed else 0
 
     @property
     def recorded(self) -> int:
@@ -183,17 +189,18 @@ class DecodeSession:
         return self._greedy_step(*self.inputs, *self._fixed(tier))
 
     def run_mixed(self, tier: int, prompts: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-        """``run_step`` and a prefill of device ``prompts`` (tokens, lengths, slots: rows the
-        step leaves alone) in one mixed call; each prompt's first token and position go into
-        its row's step inputs: (next tokens [B + P], logits [B + P, V])."""
-        p, t = prompts[0].shape
-        graph = self._mixed.get((tier, p, t))
+        """``run_step`` and a prefill of device ``prompts`` (the packed stream, lengths, slots:
+        rows the step leaves alone; ``BucketGraphs.mixed_inputs``) in one mixed call; each
+        prompt's first token and position go into its row's step inputs: (next tokens
+        [B + P], logits [B + P, V])."""
+        t, p = prompts[0].shape[0], prompts[1].shape[0]
+        graph = self._mixed.get((tier, t)) if p == self.mixed_prompts else None
         if graph is not None:
             for dst, src in zip(graph.inputs[2:], prompts, strict=True):
                 dst.copy_(src)
             graph.replay()
             return graph.outputs[0], graph.outputs[1]
-        return self._mixed_step(*self.inputs, *prompts, *self._fixed(tier), length=t)
+        return self._mixed_step(*self.inputs, *prompts, *self._fixed(tier))
 
     def set_live(self, rows: tuple[int, ...]) -> None:
         """The rows the next step advances (the others keep their token and position)."""
@@ -302,20 +309,22 @@ class DecodeSession:
         generated: Tensor,
         live: Tensor,
         keys: Tensor,
-        *,
-        length: int,
     ) -> tuple[Tensor, Tensor]:
-        """``_greedy_step`` with prompts prefilled in the same call (the mixed graph of
-        ``length``); each prompt's first token and position then go into its row's inputs:
-        (next tokens [B + P], logits [B + P, V])."""
-        mixed = self.graphs.mixed[length]
-        logits, nxt = mixed(
+        """``_greedy_step`` with prompts prefilled in the same call (the mixed graph); each
+        prompt's first token and position then go into its row's inputs: (next tokens
+        [B + P], logits [B + P, V])."""
+        logits, nxt = self.graphs.mixed(
             tokens, positions, *(prompt_tokens, prompt_lengths, prompt_slots), k, v, keys
         )
         b = tokens.shape[0]
         self._feed(tokens, positions, generated, live, nxt[:b])
-        tokens.index_copy_(0, prompt_slots, nxt[b:, None])
-        positions.index_copy_(0, prompt_slots, prompt_lengths)
+        # a placeholder (length 0) feeds what the prompt before it feeds, into the same row:
+        # a row written twice gets the same values twice
+        entry = torch.arange(prompt_lengths.shape[0], device=prompt_lengths.device)
+        real = torch.where(prompt_lengths > 0, entry, 0).cummax(0).values
+        rows = prompt_slots[real]
+        tokens.index_copy_(0, rows, nxt[b:][real, None])
+        positions.index_copy_(0, rows, prompt_lengths[real])
         return nxt, logits
 
     def _feed(
@@ -341,8 +350,8 @@ class DecodeSession:
 
     def _record_calls(self, recorder: Recorder | None) -> None:
         """One prefill graph per (prompt count, prefill length) and one mixed graph per
-        (tier, prompt count, mixed length), within the limits above, in one memory pool.
-        Their warmup calls write the caches and the step's inputs, zeroed after."""
+        (tier, mixed length), within the limits above, in one memory pool. Their warmup
+        calls write the caches and the step's inputs, zeroed after."""
         spec, dev = self.spec, self.device
         pool = torch.cuda.graph_pool_handle() if recorder is None else None
         for t in spec.prefill_lengths:
@@ -362,20 +371,26 @@ class DecodeSession:
                     inputs=prompts,
                     pool=pool,
                 )
-                if t not in spec.mixed_lengths or p > min(spec.mixed_batch, MIXED_GRAPH_PROMPTS):
-                    continue
-                # each warmup feeds its prompts' lengths on as their rows' positions, where
-                # the next warmup's step writes: 1, not t, which may be past the cache
-                prompts[1].fill_(1)
-                for n in self.tiers:  # on the prefill graph's prompt inputs and the step's
-                    self._mixed[n, p, t] = StaticGraph(
-                        functools.partial(self._mixed_step, length=t),
-                        (*self.inputs, *prompts),
-                        self._fixed(n),
-                        recorder=recorder,
-                        inputs=(*self.inputs, *prompts),
-                        pool=pool,
-                    )
+        p = min(spec.mixed_batch, MIXED_GRAPH_PROMPTS)
+        for t in spec.mixed_lengths if p else ():
+            if t > PREFILL_GRAPH_TOKENS:
+                break
+            # one-token prompts in distinct rows: each warmup feeds 1 on as their rows'
+            # positions, where the next warmup's step writes (inside the cache)
+            prompts = (
+                torch.zeros((t,), dtype=torch.int64, device=dev),
+                torch.ones((p,), dtype=torch.int64, device=dev),
+                torch.arange(p, dtype=torch.int64, device=dev),
+            )
+            for n in self.tiers:  # on the step's inputs
+                self._mixed[n, t] = StaticGraph(
+                    self._mixed_step,
+                    (*self.inputs, *prompts),
+                    self._fixed(n),
+                    recorder=recorder,
+                    inputs=(*self.inputs, *prompts),
+                    pool=pool,
+                )
         for t in (self.k_cache, self.v_cache, *self.inputs):
             t.zero_()
 

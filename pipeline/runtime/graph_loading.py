@@ -9,10 +9,10 @@ from typing import Any
 
 from pipeline.contracts.graph_abi import (
     DECODE_FILE,
+    MIXED_FILE,
     WEIGHTS_FILE,
     GraphSpec,
     cuda_arch,
-    mixed_file,
     prefill_file,
 )
 
@@ -153,14 +153,15 @@ class BucketGraphs:
         self.decode = _checked_key_positions(
             load_graph(self.dir / DECODE_FILE, *args, single_threaded=single_threaded), self.spec
         )
-        # prompt length T -> the mixed graph of prompts of T tokens (a step beside them)
-        self.mixed = {
-            n: _checked_key_positions(
-                load_graph(self.dir / mixed_file(n), *args, single_threaded=single_threaded),
+        # the mixed graph: a step and prompts packed into one stream (None: the bucket has none)
+        self.mixed = (
+            _checked_key_positions(
+                load_graph(self.dir / MIXED_FILE, *args, single_threaded=single_threaded),
                 self.spec,
             )
-            for n in self.spec.mixed_lengths
-        }
+            if self.spec.mixed_lengths
+            else None
+        )
 
     def new_cache(self) -> tuple[Any, Any]:
         return new_cache(self.spec, self.device)
@@ -211,6 +212,48 @@ class BucketGraphs:
             tokens,
             torch.tensor(lengths, dtype=torch.int64),
             torch.tensor(list(slots), dtype=torch.int64),
+        )
+
+    def mixed_inputs(
+        self, slots: Sequence[int], prompts: Sequence[Any], count: int = 0
+    ) -> tuple[Any, ...]:
+        """The host tensors of a mixed call's prompts, checked: the stream [T] (the prompts
+        end to end, padded to the shortest mixed length that holds them), lengths [P] and
+        slots [P] (int64), with placeholders after the prompts up to ``count`` entries (a
+        recorded call's fixed size: length 0, the last prompt's slot)."""
+        import torch
+
+        spec = self.spec
+        lengths = [len(p) for p in prompts]
+        bad = not 1 <= len(prompts) <= spec.mixed_batch or len(set(slots)) != len(slots)
+        if bad or len(slots) != len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts into slots {list(slots)}: this bucket's mixed calls "
+                f"take 1..{spec.mixed_batch} prompts into distinct slots"
+            )
+        if (
+            min(lengths) < 1
+            or max(lengths) > spec.seq
+            or not all(0 <= s < spec.batch for s in slots)
+        ):
+            raise ValueError(
+                f"prompts of {lengths} tokens into slots {list(slots)}: this bucket takes "
+                f"1..{spec.seq} tokens into slots 0..{spec.batch - 1}"
+            )
+        total = sum(lengths)
+        t = spec.mixed_length(total)
+        if t is None or (t > total and min(lengths) >= spec.seq):
+            raise ValueError(
+                f"prompts of {total} tokens in all: this bucket's mixed calls take up to "
+                f"{max(spec.mixed_lengths, default=0)} (padding needs a prompt under {spec.seq})"
+            )
+        stream = torch.zeros((t,), dtype=torch.int64)
+        stream[:total] = torch.cat([torch.as_tensor(p, dtype=torch.int64).cpu() for p in prompts])
+        extra = max(count - len(prompts), 0)
+        return (
+            stream,
+            torch.tensor(lengths + [0] * extra, dtype=torch.int64),
+            torch.tensor(list(slots) + [slots[-1]] * extra, dtype=torch.int64),
         )
 
     def prefill_rows(

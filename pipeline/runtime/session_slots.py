@@ -14,9 +14,10 @@ the server launches a step before it reads the last one's tokens, and the device
 wait for the host in between.
 
 A mixed call (``launch_mixed``) is a step of the given rows and prompts prefilled into free
-rows, in one pass over the weights (graph ABI 5, ``mixed_<T>.pt2``): on a GPU a short
-prompt's own prefill call costs about a step, so a prompt admitted into a running bucket
-rides in that bucket's step instead (``serve --fold-prompts``).
+rows, in one pass over the weights (graph ABI 6, ``mixed.pt2``: the prompts packed end to
+end into one stream): on a GPU a short prompt's own prefill call costs about a step, so a
+prompt admitted into a running bucket rides in that bucket's step instead (``serve
+--fold-prompts``).
 
 Rows that sample draw from the call's logits after it (``pipeline.runtime.sampling``): a
 step's rows by the session's recorded sampler where it has one, a prompt's first token
@@ -55,13 +56,15 @@ class SessionSlots:
 
     @property
     def mixed_lengths(self) -> tuple[int, ...]:
-        """The prompt lengths ``launch_mixed`` takes (its prompts are padded to one)."""
+        """The stream lengths ``launch_mixed`` takes: its prompts, end to end, are padded to
+        the shortest that holds them."""
         return self.session.spec.mixed_lengths
 
     @property
     def mixed_batch(self) -> int:
-        """Prompts one ``launch_mixed`` call takes (0: none)."""
-        return self.session.spec.mixed_batch
+        """Prompts one ``launch_mixed`` call takes (0: none); where mixed calls are recorded
+        as CUDA graphs, as many as those take (a call of more would launch every kernel)."""
+        return self.session.mixed_prompts or self.session.spec.mixed_batch
 
     def prefill_positions(self, prompt: int) -> int:
         """Positions a prefill of ``prompt`` tokens computes: its prefill graph's length."""
@@ -138,12 +141,11 @@ class SessionSlots:
         sampling: Sequence[SamplingParams] | None = None,
     ) -> Pending:
         """``launch`` of ``slots`` and ``launch_prefill`` of ``prompts`` into ``prompt_slots``
-        (free rows) in one mixed call (at most ``mixed_batch`` prompts, padded to the
-        shortest prefill length that holds the longest, which must be one of
-        ``mixed_lengths``): the step's tokens in the order of ``slots``, then each prompt's
-        first token. Raises before anything runs on a call it cannot take (the caller may
-        run them apart), and ``RanThenFailed`` when the device ran it and what followed
-        failed (the rows moved on: the caller fails them)."""
+        (free rows) in one mixed call (at most ``mixed_batch`` prompts, whose tokens in all
+        fit one of ``mixed_lengths``): the step's tokens in the order of ``slots``, then
+        each prompt's first token. Raises before anything runs on a call it cannot take (the
+        caller may run them apart), and ``RanThenFailed`` when the device ran it and what
+        followed failed (the rows moved on: the caller fails them)."""
         nxt, _, rows = self._mixed(slots, prompt_slots, prompts, sampling)
         return DeviceTokens(nxt, rows)
 
@@ -165,13 +167,9 @@ class SessionSlots:
         """The mixed call: (tokens, logits, the rows of both that answer ``slots`` then the
         prompts)."""
         s = self.session
-        inputs = self._prompt_inputs(prompt_slots, prompts)
-        length = int(inputs[0].shape[1])
-        if not 1 <= len(prompts) <= self.mixed_batch or length not in self.mixed_lengths:
-            raise ValueError(
-                f"{len(prompts)} prompts of {length} positions: this bucket's mixed calls take "
-                f"1..{self.mixed_batch} prompts of {list(self.mixed_lengths)} positions"
-            )
+        entries = s.mixed_prompts if len(prompts) <= s.mixed_prompts else 0
+        host = s.graphs.mixed_inputs(prompt_slots, [list(p) for p in prompts], entries)
+        inputs = tuple(to_device(t, s.device) for t in host)
         busy = set(prompt_slots) & set(self.slots_in_use)
         if busy:
             raise ValueError(f"slots {sorted(busy)} are in use: a prompt needs a free slot")
@@ -188,13 +186,13 @@ class SessionSlots:
         # the device has run the call: the host follows it, whatever fails after
         self._advanced(order)
         self._started(prompt_slots, prompts)
-        b = self.batch
-        step, first = nxt[:b], nxt[b:]
+        b, p = self.batch, len(prompts)
+        step, first = nxt[:b], nxt[b : b + p]  # placeholders after: not theirs
         try:
             if first_rows is not None:  # the graph fed each prompt its argmax: drawn instead
                 at = to_device(torch.tensor(first_drawn), s.device)
-                first = _with_drawn(first, logits[b:], at, first_rows)
-                s.inputs[0][:, 0].index_copy_(0, inputs[2], first)
+                first = _with_drawn(first, logits[b : b + p], at, first_rows)
+                s.inputs[0][:, 0].index_copy_(0, inputs[2][:p], first)
             if drawn:
                 step = self._draw(logits[:b], step, drawn, taken)
             if first_rows is not None or drawn:

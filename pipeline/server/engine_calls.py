@@ -1,14 +1,14 @@
 """The engine's calls on its buckets' slots: prefills, steps and mixed calls (a step with a
 prefill call folded into it), launched and read back (``Calls``, which ``Engine`` runs).
 
-Launching: an iteration's admitted prompts of one bucket go into prefill calls
-(``placement.prefill_calls``); where the slots have mixed calls and the bucket steps this
-iteration, one of those calls may ride in the step instead (``placement.fold_call``: by the
-start-up timings, ``serve --fold-prompts``), so its prompts cost no pass over the weights of
-their own. A shared prefill call that raises at launch runs again one prompt a call, and a
-mixed call that raises before it runs runs again as its prefill and the step apart (its
-bucket then folds no more), so only the culprit fails; one that ran and then failed
-(``RanThenFailed``) fails the rows it held.
+Launching: where the slots have mixed calls and the bucket steps this iteration, an
+iteration's admitted prompts of one bucket may ride in the step, packed into one stream
+(``placement.fold_prompts``; by the start-up timings, ``serve --fold-prompts``), so they
+cost no pass over the weights of their own; the rest go into prefill calls
+(``placement.prefill_calls``). A shared prefill call that raises at launch runs again one
+prompt a call, and a mixed call that raises before it runs runs again as its prefill and the
+step apart (its bucket then folds no more), so only the culprit fails; one that ran and then
+failed (``RanThenFailed``) fails the rows it held.
 
 Reading: a call's tokens go to the rows it held that are still its requests' (``Launched.
 theirs``): first tokens to its prompts, next tokens to its step's rows. A prefill whose
@@ -27,7 +27,7 @@ from typing import Any
 from pipeline.contracts.bucket import Bucket
 from pipeline.runtime.pending import Pending, RanThenFailed, Ready
 from pipeline.server.jobs import Event, Failed, Finished, Request, Tokens, sampling_args
-from pipeline.server.placement import fold_call, prefill_calls
+from pipeline.server.placement import fold_prompts, prefill_calls
 
 log = logging.getLogger("inf2_pipeline.serve")
 
@@ -51,7 +51,8 @@ class Launched:
     res: Resident
     rows: list[tuple[int, Request]]  # (slot, its request) in the call's order
     pending: Pending
-    computed: int = 0  # positions per prompt of the call's prompts
+    # positions per prompt of a prefill call's prompts; a mixed call's stream, all its prompts
+    computed: int = 0
     deferred: bool = False  # read at the engine's next chance, not at once
     prompts: int = 0  # its last rows that are prompts: all of a prefill's, none of a step's
 
@@ -163,11 +164,11 @@ class Calls:
             shared = hasattr(res.slots, "launch_prefill") or hasattr(res.slots, "prefill_many")
             size = int(getattr(res.slots, "prefill_batch", 1)) if shared else 1
             cost = self.prefill_costs.get(bucket)
-            groups = prefill_calls(admitted_here, size, self.prefill_merge, cost)
-            fold = self._fold_choice(res, groups)
+            fold = self._fold_choice(res, admitted_here, size, cost)
             if fold is not None:  # launched with the bucket's step (_launch_step)
-                self._folds[bucket] = groups.pop(fold)
-            for computed, items in groups:
+                self._folds[bucket] = fold
+                admitted_here = [it for it in admitted_here if it not in fold[1]]
+            for computed, items in prefill_calls(admitted_here, size, self.prefill_merge, cost):
                 calls += self._launch_group(res, computed, items, out)
             self.hooks.slots(bucket, len(res.rows))
         return calls
@@ -195,26 +196,42 @@ class Calls:
                 self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
         return calls
 
-    def _fold_choice(self, res: Resident, groups: list[tuple[int, list[Any]]]) -> int | None:
-        """Which of a bucket's prefill calls rides in its step (``placement.fold_call``): one
-        where the slots have mixed calls and the bucket steps this iteration (rows running,
-        or another call's prompts joining), by the start-up costs (``auto``) or always."""
+    def _fold_choice(
+        self,
+        res: Resident,
+        items: list[tuple[int, Request, int]],
+        size: int,
+        cost: Any,
+    ) -> tuple[int, list[tuple[int, Request, int]]] | None:
+        """Which of a bucket's admitted prompts (each as its prefill length, request, slot)
+        ride in its step, packed into one mixed call (``placement.fold_prompts``), and the
+        stream's length: where the slots have mixed calls and the bucket steps this
+        iteration (rows running, or prompts left to prefill apart), and with ``auto`` where
+        the start-up costs say the mixed call costs less than the prefill calls those
+        prompts would take and the step apart."""
         lengths = getattr(res.slots, "mixed_lengths", ())
         if self.fold == "off" or not lengths or not hasattr(res.slots, "launch_mixed"):
             return None
         if self.batching == "static" or res.bucket in self._no_fold:  # the baseline; a failure
             return None
+        most = min(int(getattr(res.slots, "mixed_batch", 0)), self.max_prefills)
+        chosen = fold_prompts(
+            [len(r.prompt) for _, r, _ in items], max(lengths), most, res.bucket.seq
+        )
         running = any(0 < r.launched < r.max_tokens for r in res.rows.values())
-        if not running and len(groups) < 2:
+        if not chosen or (not running and len(chosen) == len(items)):
             return None
-        saving = None  # always: whatever the timings say
+        picked = [items[i] for i in chosen]
+        stream = min(n for n in lengths if n >= sum(len(r.prompt) for _, r, _ in picked))
         if self.fold == "auto":
             costs = self.call_costs.get(res.bucket)
             if costs is None or not costs.mixed:
                 return None
-            saving = costs.fold_saving
-        most = min(int(getattr(res.slots, "mixed_batch", 0)), self.max_prefills)
-        return fold_call(groups, lengths, most, saving)
+            calls = prefill_calls(picked, size, self.prefill_merge, cost)
+            apart = sum(costs(len(group), length) for length, group in calls)
+            if costs.fold_saving(apart, stream) <= 0:
+                return None
+        return stream, picked
 
     def _shared_failed(self, bucket: Bucket, prompts: int, e: Exception) -> None:
         """Logged once per bucket and cause: a systematic failure would otherwise show only as
@@ -276,7 +293,8 @@ class Calls:
                     self._no_fold.add(res.bucket)
                     msg = "a step with %d prompts in %s failed (%s: %s); it folds no more"
                     log.warning(msg, len(fold[1]), res.bucket.name, type(e).__name__, e)
-            calls = self._launch_group(res, *fold, out)
+            # apart, in one prefill call at the longest of their prefill lengths
+            calls = self._launch_group(res, max(it[0] for it in fold[1]), fold[1], out)
         if not rows:
             return calls
         slots = [s for s, _ in rows]
@@ -327,11 +345,16 @@ class Calls:
             for slot, _ in call.theirs():  # their rows were computed
                 self._retire(res, slot, out, Failed(f"{type(e).__name__}: {e}"))
             return
-        firsts = {id(r) for _, r in call.rows[len(call.rows) - call.prompts :]}
+        prompts = [r for _, r in call.rows[len(call.rows) - call.prompts :]]
+        firsts = {id(r) for r in prompts}
+        # a mixed call's stream padding is counted with its first prompt
+        padding = 0 if call.prefill else call.computed - sum(len(r.prompt) for r in prompts)
         stepped = 0
         for slot, req, token in got:
             if id(req) in firsts:
-                self.hooks.prefill(res.bucket, len(req.prompt), call.computed, not call.prefill)
+                computed = call.computed if call.prefill else len(req.prompt) + padding
+                padding = 0
+                self.hooks.prefill(res.bucket, len(req.prompt), computed, not call.prefill)
             else:
                 stepped += 1
             self._deliver_token(res, slot, token, out)

@@ -16,7 +16,7 @@ from pipeline.contracts.bucket import Bucket
 from pipeline.server.engine import Engine
 from pipeline.server.jobs import Hooks
 from pipeline.server.pacing import Pacer, call_costs
-from pipeline.server.prefill_costs import measure_all, measure_step
+from pipeline.server.prefill_costs import measure_all, measure_step, mixed_prompts
 
 log = logging.getLogger("inf2_pipeline.serve")
 
@@ -260,9 +260,13 @@ def warm(slots: Any) -> None:
         slots.prefill_many([0, 1], [[0, 0], [0, 0]])
         slots.free(0)
         slots.free(1)
-    if hasattr(slots, "launch_mixed") and slots.seq > 2:  # a step with a prompt in it
+    if hasattr(slots, "launch_mixed") and slots.seq > 2:  # a step with prompts in it
         for n in getattr(slots, "mixed_lengths", ()):
+            sizes = mixed_prompts(n, slots.seq, int(getattr(slots, "mixed_batch", 1)))
+            if sizes is None:
+                continue
+            rows = list(range(1, len(sizes) + 1))
             slots.prefill(0, [0, 0])
-            slots.launch_mixed([0], [1], [[0] * n]).tokens()
-            slots.free(0)
-            slots.free(1)
+            slots.launch_mixed([0], rows, [[0] * k for k in sizes]).tokens()
+            for r in (0, *rows):
+                slots.free(r)

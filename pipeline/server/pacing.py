@@ -135,6 +135,6 @@ def call_costs(steps: dict[Any, float], costs: dict[Any, Any]) -> Callable[[Any]
             return None
         if call.prefill:
             return float(table(call.prompts, call.computed))
-        return table.mixed_call(call.prompts, call.computed)
+        return table.mixed_call(call.computed)  # a mixed call's computed: its stream
 
     return cost

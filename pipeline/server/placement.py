@@ -236,23 +236,18 @@ def cheapest_prefills(
 FOLD = ("auto", "always", "off")
 
 
-def fold_call(
-    calls: Sequence[tuple[int, Sequence[object]]],
-    lengths: Sequence[int],
-    most: int,
-    saving: Callable[[int, int], float | None] | None,
-) -> int | None:
-    """Which of one bucket's prefill calls (each as (its prefill length, its prompts)) rides
-    in the bucket's step this iteration, as one mixed call: one of at most ``most`` prompts
-    at one of ``lengths`` (those the bucket has mixed graphs for). By measured cost
-    (``serve --fold-prompts auto``: ``saving(prompts, length)``, what the call and the step
-    apart cost more than the mixed call), the call that saves most, if any saves; without a
-    measure (``always``), the call of most prompts. None: every call runs on its own."""
-    best, chosen = 0.0, None
-    for i, (length, items) in enumerate(calls):
-        if length not in lengths or not 1 <= len(items) <= most:
-            continue
-        gain = float(len(items)) if saving is None else saving(len(items), length)
-        if gain is not None and gain > best:
-            best, chosen = gain, i
+def fold_prompts(lengths: Sequence[int], longest: int, most: int, seq: int) -> list[int]:
+    """Which of a bucket's admitted prompts (their lengths, in admission order) ride in the
+    bucket's step as one mixed call, packed end to end into one stream: in admission order,
+    each that still fits (``longest`` tokens in all, ``most`` prompts), none of the
+    bucket's whole length ``seq`` (a stream's padding goes into a shorter prompt's row).
+    The others are prefilled apart in the same iteration, so the order costs no one a turn."""
+    chosen: list[int] = []
+    total = 0
+    for i, n in enumerate(lengths):
+        if len(chosen) >= most:
+            break
+        if n < seq and total + n <= longest:
+            chosen.append(i)
+            total += n
     return chosen

@@ -7,10 +7,10 @@ H200 for 1–2 prompts of 64–256 tokens, bench/RESULTS.md, sixteenth round), s
 for its padding; on cpu a position costs its compute, so padding costs more than a call.
 Rather than a threshold tuned per device, ``measure`` times the bucket's own calls once, and
 the engine splits each iteration's prompts into the calls that cost least by that table
-(``placement.cheapest_prefills``). Where the bucket has mixed graphs (a step and prompts in
-one call), a step and each mixed call are timed too, and the engine folds a call into its
-bucket's step where the mixed call costs less than the call and the step apart
-(``placement.fold_call``).
+(``placement.cheapest_prefills``). Where the bucket has a mixed graph (a step and prompts
+packed into one stream, in one call), a step and a mixed call at each stream length are
+timed too, and the engine folds prompts into their bucket's step where the mixed call costs
+less than their prefill calls and the step apart (``placement.fold_prompts``).
 """
 
 from __future__ import annotations
@@ -34,45 +34,50 @@ GRAPHED_PROMPTS = 8
 @dataclass(frozen=True)
 class PrefillCosts:
     """Median seconds of one prefill call, by (prompts, prefill length); of one step (one row
-    stepping) and of one mixed call (that step and the prompts), where measured."""
+    stepping) and of one mixed call (that step and prompts), by its stream's length, where
+    measured."""
 
     seconds: dict[tuple[int, int], float]
     step: float = 0.0
-    mixed: dict[tuple[int, int], float] = field(default_factory=dict)
+    mixed: dict[int, float] = field(default_factory=dict)
     # (prompts, seconds) rising, by length: the engine asks many times an iteration
     _by_length: dict[int, list[tuple[int, float]]] = field(init=False, repr=False)
-    _mixed_by_length: dict[int, list[tuple[int, float]]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_length", _by_length(self.seconds))
-        object.__setattr__(self, "_mixed_by_length", _by_length(self.mixed))
 
     def __call__(self, prompts: int, length: int) -> float:
         """A call's cost, interpolated linearly between the prompt counts measured at its
         length (every call the engine makes is within them)."""
         return _interpolated(self._by_length, prompts, length, "prefill")
 
-    def fold_saving(self, prompts: int, length: int) -> float | None:
-        """What folding a prefill call of ``prompts`` at ``length`` into its bucket's step
-        saves: the call and the step apart, less the mixed call (negative: it costs); None
-        where no mixed call of that length was measured."""
-        if length not in self._mixed_by_length:
-            return None
-        mixed = _interpolated(self._mixed_by_length, prompts, length, "mixed")
-        return self(prompts, length) + self.step - mixed
+    def fold_saving(self, apart: float, stream: int) -> float:
+        """What folding prompts into their bucket's step saves, as a mixed call whose stream
+        is ``stream`` long, where their prefill calls cost ``apart``: those calls and the step,
+        less the mixed call (negative: it costs; -inf where no mixed call was measured)."""
+        mixed = self.mixed_call(stream)
+        return float("-inf") if mixed is None else apart + self.step - mixed
 
-    def mixed_call(self, prompts: int, length: int) -> float | None:
-        """A mixed call's cost (a step with ``prompts`` at ``length``), None where unmeasured."""
-        if length not in self._mixed_by_length:
+    def mixed_call(self, stream: int) -> float | None:
+        """A mixed call's cost (a step and a stream of ``stream`` positions), interpolated
+        linearly between the lengths measured (the shortest's below it, proportionally past
+        the longest: such a call is compute); None where none was."""
+        if not self.mixed:
             return None
-        return _interpolated(self._mixed_by_length, prompts, length, "mixed")
+        at = sorted(self.mixed.items())
+        if stream <= at[0][0]:
+            return at[0][1]
+        for (n0, s0), (n1, s1) in itertools.pairwise(at):
+            if stream <= n1:
+                return s0 + (s1 - s0) * (stream - n0) / (n1 - n0)
+        return at[-1][1] * stream / at[-1][0]
 
     def describe(self) -> str:
         text = _describe(self._by_length)
         if not self.mixed:
             return text
-        mixed = _describe(self._mixed_by_length)
-        return f"{text}; a step {self.step * 1e3:.2f}ms; mixed {mixed}"
+        mixed = " ".join(f"{n}:{s * 1e3:.2f}ms" for n, s in sorted(self.mixed.items()))
+        return f"{text}; a step {self.step * 1e3:.2f}ms; mixed, by stream length, {mixed}"
 
 
 def _describe(by_length: dict[int, list[tuple[int, float]]]) -> str:
@@ -155,29 +160,40 @@ def measure(
     return PrefillCosts(seconds, step, mixed)
 
 
+def mixed_prompts(stream: int, seq: int, most: int) -> list[int] | None:
+    """Prompt lengths that fill a mixed call's stream of ``stream`` positions exactly, each
+    shorter than the bucket (``seq``), at most ``most`` of them (None: they cannot)."""
+    k = -(-stream // max(seq - 1, 1))
+    if k > most or stream < 1:
+        return None
+    return [stream // k + (i < stream % k) for i in range(k)]
+
+
 def _measure_mixed(
     slots: Any, size: int, reps: int, clock: Callable[[], float]
-) -> tuple[float, dict[tuple[int, int], float]]:
-    """A step of row 0 alone, and that step with 1..``size`` prompts in rows 1.. at each
-    mixed length (nothing where the slots have no mixed calls)."""
+) -> tuple[float, dict[int, float]]:
+    """A step of row 0 alone, and that step with prompts in rows 1.. filling a stream of
+    each mixed length (nothing where the slots have no mixed calls)."""
     lengths = getattr(slots, "mixed_lengths", ())
     if size < 1 or not lengths or not hasattr(slots, "launch_mixed") or slots.seq < 4:
         return 0.0, {}
     ready = _stepping_row(slots)
     step_s = _timed(lambda: slots.step([0]), reps, clock, ready)
-    mixed: dict[tuple[int, int], float] = {}
+    mixed: dict[int, float] = {}
     for length in lengths:
-        for p in range(1, size + 1):
-            rows, prompts = list(range(1, p + 1)), [[0] * length for _ in range(p)]
+        sizes = mixed_prompts(length, slots.seq, size)
+        if sizes is None:
+            continue
+        rows, prompts = list(range(1, len(sizes) + 1)), [[0] * n for n in sizes]
 
-            def call(rows: list[int] = rows, prompts: list[list[int]] = prompts) -> None:
-                slots.launch_mixed([0], rows, prompts).tokens()
-                for r in rows:
-                    slots.free(r)
+        def call(rows: list[int] = rows, prompts: list[list[int]] = prompts) -> None:
+            slots.launch_mixed([0], rows, prompts).tokens()
+            for r in rows:
+                slots.free(r)
 
-            mixed[p, length] = _timed(call, reps, clock, ready)
-            if mixed[p, length] > SLOW_S:
-                break
+        mixed[length] = _timed(call, reps, clock, ready)
+        if mixed[length] > SLOW_S:
+            break
     slots.free(0)
     return step_s, mixed
 

@@ -38,16 +38,19 @@ from pipeline.contracts.checkpoint_layout import fuse_checkpoint
 from pipeline.contracts.graph_abi import (
     DECODE_FILE,
     GRAPH_FILE,
+    MIXED_FILE,
     WEIGHTS_FILE,
     GraphSpec,
     cuda_arch,
-    mixed_file,
     prefill_file,
 )
 from pipeline.errors import CheckpointError, InputError
 from pipeline.plan.checkpoint import read_checkpoint
 
 FLAG_PREFIX = "inductor."
+# The stream length a mixed graph is traced at (its length is dynamic): about the current
+# replay's folded calls, two or three ~70-token prompts, so dynamic-shape tuning aims there.
+MIXED_TRACED = 256
 # Options every package needs (part of the cache key through key_options).
 BASE_OPTIONS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
 # CPU: the C++ wrapper dominates compile time and is not on the hot path, so build it at
@@ -95,11 +98,9 @@ class AotiBackend(Backend):
     device = "cpu"
     prefill_per_length = True
 
-    def mixed_lengths(
-        self, bucket: Bucket, prefill: Sequence[int], configured: Sequence[int] | None
-    ) -> tuple[int, ...]:
+    def mixed_lengths(self, bucket: Bucket, configured: Sequence[int] | None) -> tuple[int, ...]:
         longest = backend_table.mixed_longest(getattr(self, "name", ""))
-        return mixed_lengths(bucket, prefill, configured, longest)
+        return mixed_lengths(bucket, configured, longest)
 
     def versions(self) -> dict[str, str]:
         return {p: metadata.version(p) for p in ("torch", "transformers")}
@@ -190,7 +191,7 @@ class AotiBackend(Backend):
             prefill_lengths=prefill_lengths(job.bucket, job.prefill_lengths),
             prefill_batch=job.bucket.batch,
         )
-        mixed = self.mixed_lengths(job.bucket, spec.prefill_lengths, job.mixed_lengths)
+        mixed = self.mixed_lengths(job.bucket, job.mixed_lengths)
         spec = dataclasses.replace(spec, mixed_lengths=mixed)
         options = self.inductor_options(job.flags)
         # mixed graphs are prefill-sized products too (and replayed as CUDA graphs)
@@ -219,13 +220,11 @@ class AotiBackend(Backend):
                     out / name, module, inputs, dynamic, spec, per_graph
                 )
             except Exception as e:
-                length = int(inputs[2].shape[1])
                 why = (str(e).splitlines() or [""])[0]
-                print(f"{name}: not built ({type(e).__name__}: {why}); prompts of {length} "
-                      "tokens are prefilled apart", flush=True)  # fmt: skip
+                print(f"{name}: not built ({type(e).__name__}: {why}); prompts are "
+                      "prefilled apart", flush=True)  # fmt: skip
                 (out / name).unlink(missing_ok=True)
-                left = tuple(n for n in spec.mixed_lengths if n != length)
-                spec = dataclasses.replace(spec, mixed_lengths=left)
+                spec = dataclasses.replace(spec, mixed_lengths=())
         if spec.mixed_lengths:  # as many prompts as prefill takes, in the rows left free
             spec = dataclasses.replace(spec, mixed_batch=min(spec.prefill_batch, spec.batch - 1))
         (job.out_dir / GRAPH_FILE).write_text(spec.to_json())
@@ -233,7 +232,7 @@ class AotiBackend(Backend):
         names = [
             *(prefill_file(n, spec.seq) for n in spec.prefill_lengths),
             DECODE_FILE,
-            *(mixed_file(n) for n in spec.mixed_lengths),
+            *((MIXED_FILE,) if spec.mixed_lengths else ()),
             GRAPH_FILE,
         ]
         files = {n: job.out_dir / n for n in names}
@@ -319,8 +318,9 @@ class AotiBackend(Backend):
         zeros = torch.zeros((b,), dtype=torch.long, device=dev)
         inputs = (tokens, zeros, k_cache, v_cache, keys)
         yield DECODE_FILE, Decode, inputs, (None, None, None, None, attended)
-        # Mixed: decode's step inputs, then 1..B-1 prompts (the rows the step leaves free),
-        # after decode and prefill so that it takes the sizes they could make dynamic
+        # Mixed: decode's step inputs, then 1..B-1 prompts (the rows the step leaves free)
+        # packed into a stream of any length up to the longest mixed length, after decode
+        # and prefill so that it takes the sizes they could make dynamic
         if not spec.mixed_lengths:
             return
         from pipeline.compile.decoder import Mixed
@@ -328,12 +328,15 @@ class AotiBackend(Backend):
         p = min(2, b - 1)
         few = {0: torch.export.Dim("prompts", min=1, max=b - 1)} if b > 2 else None
         rows = torch.arange(b - p, b, dtype=torch.long, device=dev)  # free rows: the last
-        for n in spec.mixed_lengths:
-            prompt = torch.zeros((p, n), dtype=torch.long, device=dev)
-            lengths = torch.full((p,), n, dtype=torch.long, device=dev)
-            inputs = (tokens, zeros, prompt, lengths, rows, k_cache, v_cache, keys)
-            dims = (None, None, few, few, few, None, None, attended)
-            yield mixed_file(n), Mixed, inputs, dims
+        longest = max(spec.mixed_lengths)
+        # traced (and tuned, where sizes are dynamic) at a typical call: a few short prompts
+        t = min(longest, MIXED_TRACED)
+        stream = {0: torch.export.Dim("packed", min=2, max=longest)} if longest > 2 else None
+        prompt = torch.zeros((t,), dtype=torch.long, device=dev)
+        lengths = torch.full((p,), t // p, dtype=torch.long, device=dev)
+        inputs = (tokens, zeros, prompt, lengths, rows, k_cache, v_cache, keys)
+        dims = (None, None, stream, few, few, None, None, attended)
+        yield MIXED_FILE, Mixed, inputs, dims
 
 
 class CpuBackend(AotiBackend):
@@ -423,8 +426,8 @@ def _as_built(spec: GraphSpec, inputs: tuple, dynamic: Any) -> tuple[tuple, Any]
     tokens, positions, prompt, lengths, slots, k, v, keys = inputs
     dims = list(dynamic)
     if spec.prefill_batch == 1:
-        prompt, lengths, slots = prompt[:1], lengths[:1], slots[:1]
-        dims[2] = dims[3] = dims[4] = None
+        lengths, slots = lengths[:1], slots[:1]
+        dims[3] = dims[4] = None
     if not spec.attend_prefix:
         dims[7] = None
     return (tokens, positions, prompt, lengths, slots, k, v, keys), tuple(dims)

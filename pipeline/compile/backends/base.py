@@ -91,11 +91,9 @@ class Backend(ABC):
     # prefill to the export's sequence length), so the lengths stay out of its keys.
     prefill_per_length: bool = False
 
-    def mixed_lengths(
-        self, bucket: Bucket, prefill: Sequence[int], configured: Sequence[int] | None
-    ) -> tuple[int, ...]:
-        """The prefill lengths of ``bucket`` (``prefill``, its own) that get a mixed graph (a
-        decode step and prompts in one call), given the grid's ``configured`` ones. Default:
+    def mixed_lengths(self, bucket: Bucket, configured: Sequence[int] | None) -> tuple[int, ...]:
+        """The packed stream lengths ``bucket``'s mixed graph (a decode step and prompts in
+        one call) is used at, given the grid's ``configured`` ones. Default:
         none (neuron: optimum-neuron's models run context encoding and token generation
         as separate graphs)."""
         return ()
