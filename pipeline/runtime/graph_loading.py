@@ -188,22 +188,7 @@ class BucketGraphs:
         import torch
 
         spec = self.spec
-        lengths = [len(p) for p in prompts]
-        bad = not 1 <= len(prompts) <= spec.prefill_batch or len(set(slots)) != len(slots)
-        if bad or len(slots) != len(prompts):
-            raise ValueError(
-                f"{len(prompts)} prompts into slots {list(slots)}: this bucket prefills "
-                f"1..{spec.prefill_batch} prompts per call into distinct slots"
-            )
-        if (
-            min(lengths) < 1
-            or max(lengths) > spec.seq
-            or not all(0 <= s < spec.batch for s in slots)
-        ):
-            raise ValueError(
-                f"prompts of {lengths} tokens into slots {list(slots)}: this bucket takes "
-                f"1..{spec.seq} tokens into slots 0..{spec.batch - 1}"
-            )
+        lengths = self._checked(slots, prompts, spec.prefill_batch, "prefill")
         t = spec.prefill_length(max(lengths))
         tokens = torch.zeros((len(prompts), t), dtype=torch.int64)
         for r, p in enumerate(prompts):
@@ -224,22 +209,7 @@ class BucketGraphs:
         import torch
 
         spec = self.spec
-        lengths = [len(p) for p in prompts]
-        bad = not 1 <= len(prompts) <= spec.mixed_batch or len(set(slots)) != len(slots)
-        if bad or len(slots) != len(prompts):
-            raise ValueError(
-                f"{len(prompts)} prompts into slots {list(slots)}: this bucket's mixed calls "
-                f"take 1..{spec.mixed_batch} prompts into distinct slots"
-            )
-        if (
-            min(lengths) < 1
-            or max(lengths) > spec.seq
-            or not all(0 <= s < spec.batch for s in slots)
-        ):
-            raise ValueError(
-                f"prompts of {lengths} tokens into slots {list(slots)}: this bucket takes "
-                f"1..{spec.seq} tokens into slots 0..{spec.batch - 1}"
-            )
+        lengths = self._checked(slots, prompts, spec.mixed_batch, "mixed")
         total = sum(lengths)
         t = spec.mixed_length(total)
         if t is None or (t > total and min(lengths) >= spec.seq):
@@ -255,6 +225,30 @@ class BucketGraphs:
             torch.tensor(lengths + [0] * extra, dtype=torch.int64),
             torch.tensor(list(slots) + [slots[-1]] * extra, dtype=torch.int64),
         )
+
+    def _checked(
+        self, slots: Sequence[int], prompts: Sequence[Any], most: int, call: str
+    ) -> list[int]:
+        """The prompts' lengths, once each prompt fits the bucket and goes into a distinct
+        slot of it, at most ``most`` of them (else one ValueError saying what it takes)."""
+        spec = self.spec
+        lengths = [len(p) for p in prompts]
+        bad = not 1 <= len(prompts) <= most or len(set(slots)) != len(slots)
+        if bad or len(slots) != len(prompts):
+            raise ValueError(
+                f"{len(prompts)} prompts into slots {list(slots)}: this bucket's {call} calls "
+                f"take 1..{most} prompts into distinct slots"
+            )
+        if (
+            min(lengths) < 1
+            or max(lengths) > spec.seq
+            or not all(0 <= s < spec.batch for s in slots)
+        ):
+            raise ValueError(
+                f"prompts of {lengths} tokens into slots {list(slots)}: this bucket takes "
+                f"1..{spec.seq} tokens into slots 0..{spec.batch - 1}"
+            )
+        return lengths
 
     def prefill_rows(
         self, tokens: Any, lengths: Any, k_cache: Any, v_cache: Any
