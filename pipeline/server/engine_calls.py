@@ -167,7 +167,8 @@ class Calls:
             fold = self._fold_choice(res, admitted_here, size, cost)
             if fold is not None:  # launched with the bucket's step (_launch_step)
                 self._folds[bucket] = fold
-                admitted_here = [it for it in admitted_here if it not in fold[1]]
+                folded = {id(req) for _, req, _ in fold[1]}
+                admitted_here = [it for it in admitted_here if id(it[1]) not in folded]
             for computed, items in prefill_calls(admitted_here, size, self.prefill_merge, cost):
                 calls += self._launch_group(res, computed, items, out)
             self.hooks.slots(bucket, len(res.rows))
