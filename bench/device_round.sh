@@ -39,6 +39,8 @@ NOFOLD="--variant 'nofold=--fold-prompts off'"
 ONEBYONE="--variant 'onebyone=--no-coalesce'"
 eval "more2048=(${ARGS2048-$NOFOLD})"; eval "more256=(${ARGS256-$NOFOLD $ONEBYONE})"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
+# Each stage ends with pkill -f "from pipeline.cli import main" (servers it started): a device
+# command line holding that text is killed with them, output and all (2026-12-06).
 stage() {  # name, least seconds it needs, command...: false when this call is out of time
   local name=$1 min=$2; shift 2
   [ -e "$R/$name.done" ] && return 0
@@ -107,4 +109,8 @@ run
 # one file, to tell an outlier way by its table
 cp "$R"/*.json "$R"/sampler.log "$OUT"/ 2>/dev/null
 grep -H -E "prefill calls of|packages and weights|^ready:|error" "$R"/*.serve-*.log >"$OUT/server-startup.txt" 2>/dev/null
+# and what a compile left out or fell back on (a mixed graph not built leaves a bucket without
+# folding: the serve figures then say so only by their speed)
+grep -H -E "not built|attends the whole bucket|prefills one prompt per call" \
+  work/bench-cuda/compile/*/logs/*.log >"$OUT/compile-notes.txt" 2>/dev/null
 ls "$R"

@@ -10,6 +10,7 @@ part of the graph key, shown by ``plan`` and refused in one line when too short.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,24 @@ def test_a_mixed_call_is_its_step_and_its_prefills_apart(tiny_checkpoint):
         for n, r in zip(lengths, slots, strict=True):
             torch.testing.assert_close(a[:, :n, r], b[:, :n, r])
         assert torch.isfinite(b[:, 7:11, 2]).all()  # padding: row 2 (the shortest), past 7
+
+
+def test_the_mixed_graph_exports_without_reading_a_number_back(tiny_checkpoint):
+    """Its sizes stay the inputs': no value read back from a tensor (an unbacked size). The
+    first packed graph indexed by a 0-d tensor, which export turns into ``item()``; cpu's
+    compile took that, cuda's could not specialise it and left the bucket without a mixed
+    graph (H100, 2026-12-06)."""
+    from pipeline.compile.backends.aoti import CpuBackend
+
+    spec = GraphSpec(4, 64, 2, 4, 8, 512, "float32", "cpu", mixed_lengths=(32, 128))
+    cache = new_cache(spec)
+    graphs = CpuBackend()._graphs(dataclasses.replace(spec, prefill_batch=4), *cache)
+    _, _, inputs, dims = next(g for g in graphs if g[1] is dec.Mixed)
+    module = dec.from_checkpoint(tiny_checkpoint, dec.Mixed)
+    program = torch.export.export(module, inputs, dynamic_shapes=dims, strict=False)
+    reads = {"aten.item.default", "aten._local_scalar_dense.default"}
+    read_back = [n for n in program.graph.nodes if str(n.target) in reads]
+    assert not read_back and not [u for u in map(str, program.range_constraints) if "u" in u]
 
 
 def test_the_packed_layout_places_every_position():

@@ -336,18 +336,19 @@ def packed_layout(
     """Where each of a packed stream's ``t`` positions goes (``Mixed``): its position in its
     prompt, its cache row, its segment (its prompt's index; padding P) and, per prompt, the
     stream index of its last token. ``lengths`` [P] may hold 0s (placeholders)."""
-    p = lengths.shape[0]
-    ends = lengths.cumsum(0)  # [P]
+    p, ends = lengths.shape[0], lengths.cumsum(0)  # ends: [P]
     at = torch.arange(t, device=lengths.device)
     # the prompt each position falls in: how many prompts end at or before it (P: padding)
     segment = (at[:, None] >= ends[None, :]).sum(1)
     own = segment.clamp(max=p - 1)
     real = segment < p
-    # padding: after the shortest real prompt's own positions, in its row, within the cache
-    shortest = torch.where(lengths > 0, lengths, seq + 1).argmin()
-    pad_pos = (lengths[shortest] + at - ends[-1]).clamp(max=seq - 1)
+    # padding: past the shortest prompt, in its row, within the cache (no indexing by a 0-d
+    # tensor: export reads one back as a number, which cuda's export could not specialise)
+    real_lengths = torch.where(lengths > 0, lengths, seq + 1)
+    shortest = real_lengths.argmin(0, keepdim=True)
+    pad_pos = (real_lengths.amin(0, keepdim=True) + at - lengths.sum()).clamp(max=seq - 1)
     pos = torch.where(real, at - (ends - lengths)[own], pad_pos)
-    rows = torch.where(real, slots[own], slots[shortest])
+    rows = torch.where(real, slots[own], slots.gather(0, shortest))
     last = (ends - 1).clamp(min=0)
     return pos, rows, segment, last
 
