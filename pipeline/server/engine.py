@@ -6,10 +6,10 @@ model thread (``run``) loops, because a runner is not re-entrant. Every iteratio
 1. retires rows whose client left (or whose stop string matched), freeing their slots;
 2. admits waiting requests into free slots (``placement.place``: first come, first served,
    at most ``max_prefills``, within ``prefill_stall``) and launches their prefills
-   (``placement.prefill_calls``), but for one call per bucket that may ride in the
-   bucket's step (``placement.fold_call``);
+   (``placement.prefill_calls``), but for the prompts of each bucket that may ride in the
+   bucket's step, packed into one stream (``placement.fold_prompts``);
 3. launches one decode step for every bucket with rows that have tokens to launch, with
-   that call in it where there is one (a mixed call; ``engine_calls``);
+   those prompts in it where there are any (a mixed call; ``engine_calls``);
 4. reads tokens and delivers each row's: with ``overlap`` (slots that ``launch``: cpu/cuda)
    the previous iteration's steps first, which the device finished while this iteration's
    calls queued behind them (their tokens sent at once when prefills are still to be read),
