@@ -32,7 +32,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline.contracts.bucket import Bucket, mixed_lengths
+from pipeline.contracts.bucket import Bucket, mixed_length, mixed_lengths
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class SimSlots:
         """A step of ``slots`` and the prompts prefilled into ``prompt_slots`` in one pass:
         a prefill call's time at the packed stream's length, plus ``mixed_step_s``."""
         total = sum(len(p) for p in prompts)
-        length = next((n for n in self.mixed_lengths if n >= total), None)
+        length = mixed_length(self.mixed_lengths, total)
         if length is None or not 1 <= len(prompts) <= self.mixed_batch:
             raise ValueError(f"{len(prompts)} prompts of {total} tokens in a mixed call")
         for s in slots:

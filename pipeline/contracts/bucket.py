@@ -69,6 +69,12 @@ def mixed_lengths(
     return tuple(out)
 
 
+def mixed_length(lengths: Sequence[int], tokens: int) -> int | None:
+    """The shortest of a bucket's mixed ``lengths`` (rising) that holds a stream of
+    ``tokens``: what a mixed call is padded to (None: none holds it)."""
+    return next((n for n in lengths if n >= tokens), None)
+
+
 def select_bucket(buckets: Iterable[Bucket], batch: int, seq: int) -> Bucket | None:
     """The bucket holding (batch, seq) with the fewest padded tokens, or None.
 

@@ -88,6 +88,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.contracts.bucket import mixed_length
+
 # 2: fused qkv_proj / gate_up_proj weights; next_tokens output. 3: decode's key_positions.
 # 4: slots: prefill fills the cache rows it is given, at one of several prompt lengths.
 # 5: mixed graphs (a step and prompts in one call); graph.json's mixed_lengths, mixed_batch
@@ -158,7 +160,7 @@ class GraphSpec:
 
     def mixed_length(self, tokens: int) -> int | None:
         """The shortest mixed length that holds a stream of ``tokens`` (None: none does)."""
-        return next((n for n in self.mixed_lengths if n >= tokens), None)
+        return mixed_length(self.mixed_lengths, tokens)
 
     def prefill_length(self, prompt: int) -> int:
         """The shortest prefill length that holds a prompt of ``prompt`` tokens."""

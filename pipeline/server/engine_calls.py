@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.contracts.bucket import Bucket
+from pipeline.contracts.bucket import Bucket, mixed_length
 from pipeline.runtime.pending import Pending, RanThenFailed, Ready
 from pipeline.server.jobs import Event, Failed, Finished, Request, Tokens, sampling_args
 from pipeline.server.placement import fold_prompts, prefill_calls
@@ -223,7 +223,7 @@ class Calls:
         if not chosen or (not running and len(chosen) == len(items)):
             return None
         picked = [items[i] for i in chosen]
-        stream = min(n for n in lengths if n >= sum(len(r.prompt) for _, r, _ in picked))
+        stream = mixed_length(lengths, sum(len(r.prompt) for _, r, _ in picked))
         if self.fold == "auto":
             costs = self.call_costs.get(res.bucket)
             if costs is None or not costs.mixed:

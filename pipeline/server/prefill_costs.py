@@ -64,13 +64,7 @@ class PrefillCosts:
         the longest: such a call is compute); None where none was."""
         if not self.mixed:
             return None
-        at = sorted(self.mixed.items())
-        if stream <= at[0][0]:
-            return at[0][1]
-        for (n0, s0), (n1, s1) in itertools.pairwise(at):
-            if stream <= n1:
-                return s0 + (s1 - s0) * (stream - n0) / (n1 - n0)
-        return at[-1][1] * stream / at[-1][0]
+        return _along(sorted(self.mixed.items()), stream, flat_below=True)
 
     def describe(self) -> str:
         text = _describe(self._by_length)
@@ -100,11 +94,19 @@ def _interpolated(
     at = by_length.get(length)
     if not at:
         raise KeyError(f"no {kind} call of length {length} was measured")
-    for (p0, s0), (p1, s1) in itertools.pairwise(at):
-        if p0 <= prompts <= p1:
-            return s0 + (s1 - s0) * (prompts - p0) / (p1 - p0)
-    p, s = at[0] if prompts < at[0][0] else at[-1]
-    return s * prompts / p  # outside what was measured: proportional
+    return _along(at, prompts)
+
+
+def _along(at: list[tuple[int, float]], x: int, flat_below: bool = False) -> float:
+    """Seconds at ``x`` by the measured (x, seconds) points ``at`` (rising): linear between
+    two, proportional outside them (below the first: its own, where ``flat_below``)."""
+    if flat_below and x <= at[0][0]:
+        return at[0][1]
+    for (x0, s0), (x1, s1) in itertools.pairwise(at):
+        if x0 <= x <= x1:
+            return s0 + (s1 - s0) * (x - x0) / (x1 - x0)
+    n, s = at[0] if x < at[0][0] else at[-1]
+    return s * x / n
 
 
 def prompt_counts(limit: int) -> list[int]:
