@@ -39,6 +39,7 @@ class AotiRunner:
         self.cuda_graphs = cuda_graphs
         self._graphs: dict[Bucket, BucketGraphs] = {}
         self._weights: dict[str, dict[str, Any]] = {}  # by blob digest: one copy per release
+        self._weights_seconds: dict[Bucket, float] = {}  # the bucket whose load read them
         self._sessions: dict[Bucket, DecodeSession] = {}
         self._slots: dict[Bucket, SessionSlots] = {}
 
@@ -52,14 +53,22 @@ class AotiRunner:
         buckets on an H100, bench/RESULTS.md), and the line says which part to cut."""
         for bucket in buckets:
             start = time.perf_counter()
-            self._bucket(bucket)
+            bucket_graphs = self._bucket(bucket)
             loaded = time.perf_counter()
             graphs = self.session(bucket).recorded
             made = f"caches and {graphs} CUDA graphs" if graphs else "caches"
+            took = bucket_graphs.load_seconds
+            slowest = max(took, key=took.__getitem__)
             log.info(
-                "%s: packages and weights %.1f s, %s %.1f s",
+                "%s: packages and weights %.1f s (weights %.1f s, %d packages %.1f s, "
+                "slowest %s %.1f s), %s %.1f s",
                 bucket.name,
                 loaded - start,
+                self._weights_seconds.get(bucket, 0.0),
+                len(took),
+                sum(took.values()),
+                slowest,
+                took[slowest],
                 made,
                 time.perf_counter() - loaded,
             )
@@ -87,7 +96,9 @@ class AotiRunner:
             ref = next(r for r in entry.files if r.path == WEIGHTS_FILE)
             bucket_dir = self.installed.bucket_dir(bucket.name)
             if ref.sha256 not in self._weights:
+                start = time.perf_counter()
                 self._weights[ref.sha256] = load_weights(bucket_dir / WEIGHTS_FILE, self.device)
+                self._weights_seconds[bucket] = time.perf_counter() - start
             # Single-threaded packages: CUDA graph capture needs them, and a bucket's one
             # cache serialises its calls anyway.
             self._graphs[bucket] = BucketGraphs(

@@ -3,6 +3,7 @@ against the contract it was built for (``pipeline.contracts.graph_abi``)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -142,26 +143,32 @@ class BucketGraphs:
         self.device = device or self.spec.device
         check_runs_here(self.spec, self.dir, self.device)
         self.weights = weights or load_weights(self.dir / WEIGHTS_FILE, self.device)
-        args = (self.weights, self.spec, self.device)
+        # seconds each package took to load, by file name: a GPU server's start is mostly
+        # these (bench/RESULTS.md, twenty-fourth round), and the runner logs the slowest
+        self.load_seconds: dict[str, float] = {}
         # prompt length T -> the prefill graph at T
         self.prefills = {
-            n: load_graph(
-                self.dir / prefill_file(n, self.spec.seq), *args, single_threaded=single_threaded
-            )
-            for n in self.spec.prefill_lengths
+            n: self._load(prefill_file(n, self.spec.seq)) for n in self.spec.prefill_lengths
         }
-        self.decode = _checked_key_positions(
-            load_graph(self.dir / DECODE_FILE, *args, single_threaded=single_threaded), self.spec
-        )
+        self.decode = _checked_key_positions(self._load(DECODE_FILE), self.spec)
         # the mixed graph: a step and prompts packed into one stream (None: the bucket has none)
         self.mixed = (
-            _checked_key_positions(
-                load_graph(self.dir / MIXED_FILE, *args, single_threaded=single_threaded),
-                self.spec,
-            )
+            _checked_key_positions(self._load(MIXED_FILE), self.spec)
             if self.spec.mixed_lengths
             else None
         )
+
+    def _load(self, name: str) -> Any:
+        start = time.perf_counter()
+        graph = load_graph(
+            self.dir / name,
+            self.weights,
+            self.spec,
+            self.device,
+            single_threaded=self.single_threaded,
+        )
+        self.load_seconds[name] = time.perf_counter() - start
+        return graph
 
     def new_cache(self) -> tuple[Any, Any]:
         return new_cache(self.spec, self.device)
