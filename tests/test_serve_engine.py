@@ -706,32 +706,47 @@ def call_s(k: int, length: int) -> float:
     return 1e-3 + 2e-6 * k * length
 
 
-def test_within_stall_admits_a_prefix_by_each_buckets_calls_per_length():
+def test_within_stall_admits_a_prefix_by_what_each_adds_to_its_buckets_stall():
     a, b = Bucket(8, 256), Bucket(8, 2048)
-    costs = {a: call_s, b: call_s}
-    # 8 short prompts in one call at 64: 1 + 1.024 ms, all within 3 ms
-    assert within_stall([(a, 64)] * 8, costs, 3e-3) == 8
+    lengths = [64] * 4 + [128] * 2
+
+    def by_length(key: Bucket, chosen: list[int]) -> float:
+        # each length's prompts in one call (call_s), summed: the fake engine's calls
+        counts: dict[int, int] = {}
+        for i in chosen:
+            counts[lengths[i]] = counts.get(lengths[i], 0) + 1
+        return sum(call_s(k, n) for n, k in counts.items())
+
     # a second length is a second call: 1.512 ms at 64, then 1.256 at 128 (2.768 in all),
     # and 0.256 more for its second prompt passes 3 ms
-    assert within_stall([(a, 64)] * 4 + [(a, 128)] * 2, costs, 3e-3) == 5
-    # prompts of 1,024 positions: the first 3.048 ms, each more 2.048
-    assert within_stall([(b, 1024)] * 4, costs, 5e-3) == 1
-    assert within_stall([(b, 1024)] * 4, costs, 8e-3) == 3
+    assert within_stall([a] * 6, by_length, 3e-3) == 5
+    assert within_stall([a] * 6, by_length, 4e-3) == 6
+    # each placement costs what it adds to its own key's stall, whichever keys came between
+    per_key = {a: [], b: []}
+
+    def logged(key: Bucket, chosen: list[int]) -> float:
+        per_key[key].append(list(chosen))
+        return 1e-3 * len(chosen) ** 2  # 1, 3, 5 ms more for a key's first, second, third
+
+    assert within_stall([a, b, a, b, a], logged, 8.5e-3) == 4  # 1 + 1 + 3 + 3, then 5
+    assert per_key == {a: [[0], [0, 2], [0, 2, 4]], b: [[1], [1, 3]]}
+    # a placement may cost less than nothing (it makes a cheaper call of the others worth it)
+    assert within_stall([a, a, a], lambda k, c: [2e-3, 1e-3, 2.5e-3][len(c) - 1], 2.6e-3) == 3
     # the first always goes in, however dear; the count is a prefix: nothing after a
     # refused prompt goes in, even a cheap one (first come, first served)
-    assert within_stall([(b, 2048), (a, 64)], costs, 1e-3) == 1
-    assert within_stall([(a, 64), (b, 2048), (a, 64)], costs, 3e-3) == 1
-    # a bucket without timings costs nothing here: --max-prefills alone bounds it
-    assert within_stall([(b, 2048)] * 3, {a: call_s}, 1e-3) == 3
-    assert within_stall([], costs, 1e-3) == 0
+    dear = {0: 9e-3, 1: 1e-4, 2: 1e-4}
+    assert within_stall([a, b, a], lambda k, c: sum(dear[i] for i in c), 1e-3) == 1
+    assert within_stall([b, a, b], lambda k, c: sum([1e-4, 9e-3, 1e-4][i] for i in c), 1e-3) == 1
+    assert within_stall([], by_length, 1e-3) == 0
 
 
 def test_prefill_stall_bounds_an_iterations_admissions_by_their_cost():
-    """Within max_prefills 8, a budget of 2 ms (call_s) admits the four short prompts that
-    wait at once in one iteration (one call at 16: 1.128 ms) but no long one (its call at
-    128 adds 1.256), then three long ones (1.256, 1.512, 1.768 ms; a fourth 2.024), then the
-    last; every answer is still the prompt's alone. Without the budget the eight go in at
-    once."""
+    """Within max_prefills 8, a budget of 2 ms (call_s) admits, as the engine calls them
+    (at most 3 prompts a call): three of the four short prompts that wait at once (one call
+    at 16: 1.096 ms; the fourth's own call would add 1.032), then the fourth but no long one
+    (its call at 128 adds 1.256), then three long ones (1.256, 1.512, 1.768 ms; a fourth
+    would need a second call); every answer is still the prompt's alone. Without the budget
+    the eight go in at once."""
     b = Bucket(8, 128)
 
     def first_steps(**stall: float) -> list[int]:
@@ -751,7 +766,7 @@ def test_prefill_stall_bounds_an_iterations_admissions_by_their_cost():
             assert tokens == alone(r.prompt, 4) and end == Finished("length")
         return [len(rows) for rows in m.steps()[:3]]
 
-    assert first_steps(prefill_stall=2e-3) == [4, 7, 8]
+    assert first_steps(prefill_stall=2e-3) == [3, 4, 7]
     assert first_steps() == [8, 8, 8]
 
 

@@ -169,6 +169,27 @@ def test_auto_folds_where_the_measured_mixed_call_is_cheaper():
         assert out[1][0] == alone(join.prompt, 6)
 
 
+def test_a_prefill_stall_costs_folded_prompts_as_the_mixed_call_beyond_the_step():
+    """Two short prompts join a running bucket under a stall budget of 0.5 (s, by the
+    table). Folded, they cost the mixed call beyond the step (1.2 - 1.0 for both): both go
+    in, in one mixed call. Costed as their prefill calls (1.0, then 0.1 more) only the first
+    would; where the mixed call is dear they are not folded and go in one an iteration."""
+    table = {(1, 16): 1.0, (2, 16): 1.1}
+    cheap = PrefillCosts(table, step=1.0, mixed={8: 1.2, 16: 1.3})
+    dear = PrefillCosts(table, step=1.0, mixed={8: 2.5, 16: 2.6})
+    for costs, calls in ((cheap, [(1, 2)]), (dear, [])):
+        m = MixingModel(prefill_lengths={B: (16,)})
+        first = request(range(10, 14), 12)
+        joins = [request([30 + i, 5], 6) for i in range(2)]
+        out = staggered(m, [first], joins, fold="auto", call_costs={B: costs}, prefill_stall=0.5)
+        for r, (tokens, _) in zip([first, *joins], out, strict=True):
+            assert tokens == alone(r.prompt, r.max_tokens)
+        assert [call[1] for call in mixed_calls(m)] == calls
+        if not calls:  # prefilled apart, one an iteration
+            apart = [e for e in m.log if e[0] == "launch" and "prefill" in e[1]]
+            assert len(apart) == 3
+
+
 def test_the_batch_at_a_time_baseline_never_folds():
     m = MixingModel(prefill_lengths={B: (16,)})
     rs = [request(range(40, 60), 5), request([7, 8], 5)]  # two calls: one could ride

@@ -104,9 +104,9 @@ class Engine(Calls):
         (``placement.cheapest_prefills``). ``fold``: how a prefill call rides in its
         bucket's step where the slots have mixed calls (``placement.FOLD``), ``auto`` by
         ``call_costs`` (each bucket's ``PrefillCosts``: ``fold_saving``).
-        ``prefill_stall``: seconds of prefill work (by ``call_costs``) an iteration's
-        admissions may add, within ``max_prefills`` (``placement.within_stall``; None: the
-        count alone).
+        ``prefill_stall``: seconds an iteration's admissions may add to it (by ``call_costs``:
+        their prefill calls, or the mixed call beyond the step for those folded), within
+        ``max_prefills`` (``placement.within_stall``; None: the count alone).
         ``deliver``: where each batch of events goes (default: the requests' queues, on
         ``loop``; the engine's own process sends them to the server's instead). ``pacer``:
         under overlap, hold each launch until the device's queued work is about to end
@@ -304,11 +304,16 @@ class Engine(Calls):
         )
         by_bucket = {r.bucket: r for r in self._resident}
         if self.prefill_stall is not None and len(placed) > 1:
-            lengths = [
-                (p.bucket, prefill_positions(by_bucket[p.bucket], len(waiting[p.index].prompt)))
-                for p in placed
-            ]
-            placed = placed[: within_stall(lengths, self.call_costs, self.prefill_stall)]
+
+            def stall(bucket: Bucket, chosen: list[int]) -> float:
+                res = by_bucket[bucket]
+                reqs = [waiting[placed[i].index] for i in chosen]
+                return self._stall(
+                    res, [(prefill_positions(res, len(r.prompt)), r, -1) for r in reqs]
+                )
+
+            keys = [p.bucket for p in placed]
+            placed = placed[: within_stall(keys, stall, self.prefill_stall)]
         now = time.monotonic()
         out = []
         for p in placed:

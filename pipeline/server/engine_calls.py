@@ -161,8 +161,7 @@ class Calls:
         calls = []
         for bucket, admitted_here in per_bucket.items():
             res = by_bucket[bucket]
-            shared = hasattr(res.slots, "launch_prefill") or hasattr(res.slots, "prefill_many")
-            size = int(getattr(res.slots, "prefill_batch", 1)) if shared else 1
+            size = call_size(res)
             cost = self.prefill_costs.get(bucket)
             fold = self._fold_choice(res, admitted_here, size, cost)
             if fold is not None:  # launched with the bucket's step (_launch_step)
@@ -233,6 +232,25 @@ class Calls:
             if costs.fold_saving(apart, stream) <= 0:
                 return None
         return stream, picked
+
+    def _stall(self, res: Resident, items: list[tuple[int, Request, int]]) -> float:
+        """Seconds a bucket's admissions (each as its prefill length, request, slot) add to
+        the iteration, as ``_launch_prefills`` would launch them by the start-up timings: the
+        prompts folded into the step cost the mixed call beyond the step, the others their
+        prefill calls (``--prefill-stall``); 0 where the bucket has no timings."""
+        costs = self.call_costs.get(res.bucket)
+        if costs is None:
+            return 0.0
+        size, cost = call_size(res), self.prefill_costs.get(res.bucket)
+        seconds = 0.0
+        fold = self._fold_choice(res, items, size, cost)
+        if fold is not None:
+            stream, picked = fold
+            seconds += (costs.mixed_call(stream) or 0.0) - costs.step
+            folded = {id(r) for _, r, _ in picked}
+            items = [it for it in items if id(it[1]) not in folded]
+        calls = prefill_calls(items, size, self.prefill_merge, cost)
+        return seconds + sum(costs(len(group), length) for length, group in calls)
 
     def _shared_failed(self, bucket: Bucket, prompts: int, e: Exception) -> None:
         """Logged once per bucket and cause: a systematic failure would otherwise show only as
@@ -375,6 +393,12 @@ class Calls:
             raise RuntimeError(f"{len(tokens)} tokens for {len(call.rows)} rows")
         mine = {id(r) for _, r in call.theirs()}
         return [(s, r, t) for (s, r), t in zip(call.rows, tokens, strict=True) if id(r) in mine]
+
+
+def call_size(res: Resident) -> int:
+    """The most prompts one prefill call of the bucket's slots takes."""
+    shared = hasattr(res.slots, "launch_prefill") or hasattr(res.slots, "prefill_many")
+    return int(getattr(res.slots, "prefill_batch", 1)) if shared else 1
 
 
 def prefill_positions(res: Resident, n: int) -> int:

@@ -39,10 +39,11 @@ The rules, in order:
   the thirteenth round), at the cost of a wider step while the burst stays small.
 - With a prefill stall budget (``serve --prefill-stall``), an iteration's placements stop
   at the first whose prefill would take the iteration's prefill work past it, by the
-  start-up timings (``within_stall``): a burst of short prompts goes in at once (on a GPU a
-  call of many costs little more than a call of one), a burst of long ones a few at a
-  time, so neither the running rows nor the next arrivals wait out a long stall. The
-  first placement always goes in.
+  start-up timings (``within_stall``), each bucket's prompts costed as the engine would
+  launch them (folded into its step, a mixed call beyond the step; else their prefill
+  calls): a burst of short prompts goes in at once (on a GPU a call of many costs little
+  more than a call of one), a burst of long ones a few at a time, so neither the running
+  rows nor the next arrivals wait out a long stall. The first placement always goes in.
 - ``static`` batching (the old batch-at-a-time server, kept to compare): a bucket admits
   only when none of its rows is running, and then as many requests as it holds, whatever
   ``max_prefills`` says.
@@ -50,7 +51,7 @@ The rules, in order:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -58,6 +59,7 @@ from pipeline.contracts.bucket import Bucket
 
 BATCHING = ("iteration", "static")
 R = TypeVar("R")  # a request, to the calls that group them
+K = TypeVar("K")  # what a placement's stall is counted by: its bucket
 
 
 @dataclass
@@ -122,31 +124,25 @@ def place(
     return out
 
 
-def within_stall(
-    prefills: Sequence[tuple[Bucket, int]],
-    costs: Mapping[Bucket, Callable[[int, int], float]],
-    budget: float,
-) -> int:
-    """How many of an iteration's placements (each as its bucket and prefill length, in the
-    order ``place`` made them) fit a prefill stall of ``budget`` seconds. The stall is
-    costed as each bucket's prompts in one call per prefill length (``costs``: a bucket's
-    measured call cost by prompts and length), summed over the buckets: found in one pass,
-    and no less than the cheapest split the engine then makes (``cheapest_prefills``) where
-    each length's prompts fit one call. A bucket without a cost table adds nothing; the
-    first placement always fits, so a prompt dearer than the budget still goes in, alone."""
-    counts: dict[tuple[Bucket, int], int] = {}
+def within_stall(keys: Sequence[K], stall: Callable[[K, list[int]], float], budget: float) -> int:
+    """How many of an iteration's placements (in the order ``place`` made them, each named by
+    its ``key``: its bucket) fit a prefill stall of ``budget`` seconds. ``stall(key,
+    indices)`` is what the placements at ``indices`` (all of that key) add to the iteration,
+    as the engine would launch them (their prefill calls, or a mixed call beyond the step):
+    each placement costs what it adds to its own key's stall. The first placement always
+    fits, so a prompt dearer than the budget still goes in, alone."""
+    mine: dict[K, list[int]] = {}
+    spent: dict[K, float] = {}
     total = 0.0
-    for i, key in enumerate(prefills):
-        cost = costs.get(key[0])
-        if cost is None:
-            continue
-        k = counts.get(key, 0)
-        more = cost(k + 1, key[1]) - (cost(k, key[1]) if k else 0.0)
+    for i, key in enumerate(keys):
+        chosen = [*mine.get(key, []), i]
+        seconds = stall(key, chosen)
+        more = seconds - spent.get(key, 0.0)
         if i and total + more > budget:
             return i
         total += more
-        counts[key] = k + 1
-    return len(prefills)
+        mine[key], spent[key] = chosen, seconds
+    return len(keys)
 
 
 def _admits(b: BucketSlots, batching: str) -> bool:
