@@ -15,6 +15,7 @@
 #   CLIENT_PROCS: the replays' client processes (default 4: with one, its GIL added 15-26 ms
 #   to the client's p99 TTFT beyond the server's write, twenty-third round);
 #   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more;
+#   each call first times its first CUDA context and keeps one idle process holding it (gpu.txt);
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
 #   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
 #   STAGES=pull SKIP_COMPILE=1 runs it alone). A compile cut short goes on at the next call
@@ -103,7 +104,21 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
     --skip curl,boto3,gil,stages --best-of 1 --nginx .devrun/bin/nginx-wrap \
     --s5cmd .devrun/bin/s5cmd --out "$R/pull16.json"
 }
+# How long this host's first CUDA call takes, and whether the driver stays initialised
+# between processes (persistence mode): a GPU server's start was 32.8 s in its first
+# bucket's load (twenty-fourth round), which may be the driver's own initialisation. One
+# idle process holding a CUDA context keeps the driver up for the call's servers without
+# changing a setting; it goes with the script.
+nvidia-smi --query-gpu=name,persistence_mode --format=csv,noheader >"$R/gpu.txt" 2>&1
+python3 -c "
+import time; t = time.perf_counter()
+import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()
+print(f'first CUDA context in this call: {time.perf_counter() - t:.1f} s', flush=True)
+time.sleep(3600)" >>"$R/gpu.txt" 2>&1 &
+HOLDER=$!
+trap 'kill $HOLDER 2>/dev/null' EXIT
 run
+cat "$R/gpu.txt"; cp "$R/gpu.txt" "$OUT/" 2>/dev/null
 # the figures, not the logs of every server (the copy back has a file count limit); of
 # those, each server's start-up lines (each bucket's load, its prefill cost table, ready) in
 # one file, to tell an outlier way by its table
