@@ -14,7 +14,8 @@
 #   300 (0.45 s of replay) its p99 was the opening burst's and its echo, not a steady state);
 #   CLIENT_PROCS: the replays' client processes (default 4: with one, its GIL added 15-26 ms
 #   to the client's p99 TTFT beyond the server's write, twenty-third round);
-#   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more;
+#   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more,
+#   and firstload (bench/profile_first_load.py: a process's first package load, step by step);
 #   each call first times its first CUDA context and keeps one idle process holding it (gpu.txt);
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
 #   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
@@ -93,6 +94,9 @@ stage_decode() {
     --long-batches 1,8,32 --out "$R/cuda-decode.json"
 }
 stage_sampler() { stage sampler 60 python3 bench/bench_sampler.py; }
+stage_firstload() {  # a process's first package load, step by step (a GPU server's start)
+  stage firstload 60 python3 bench/profile_first_load.py "$D" --json "$R/first-load.json"
+}
 stage_parity() {  # the s256 release (mixed graphs included) against the fp32 eager model
   stage parity 90 python3 -c "from pipeline.cli import main; main()" parity "$D" \
     --reference cuda --checkpoint work/bench-cuda/llama-3.2-1b-random --json

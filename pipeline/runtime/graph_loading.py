@@ -3,8 +3,9 @@ against the contract it was built for (``pipeline.contracts.graph_abi``)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +55,12 @@ def load_graph(
 
     device = torch.device(device or spec.device)
     _quiet_isa_notice()
-    model = aoti_load_package(
-        str(path),
-        run_single_threaded=single_threaded,
-        device_index=-1 if device.index is None else device.index,
-    )
+    with _no_isa_probe():
+        model = aoti_load_package(
+            str(path),
+            run_single_threaded=single_threaded,
+            device_index=-1 if device.index is None else device.index,
+        )
     names = {n: spec.aliases.get(n, n) for n in model.get_constant_fqns()}
     missing = sorted(w for w in names.values() if w not in weights)
     if missing:
@@ -104,6 +106,30 @@ def _quiet_isa_notice() -> None:
     log = logging.getLogger("torch.export.pt2_archive._package")
     if not any(isinstance(f, _IsaNotice) for f in log.filters):
         log.addFilter(_IsaNotice())
+
+
+@contextlib.contextmanager
+def _no_isa_probe() -> Iterator[None]:
+    """Load without torch's check of which CPU vector ISAs this host can build and run.
+
+    A package load asks for the host's device information only to warn where it differs
+    from the build's (torch/export/pt2_archive/_package.py, ``_load_aoti``), and the CPU ISA
+    in it is found by compiling a probe per ISA and loading each in a child interpreter
+    (torch/_inductor/cpu_vec_isa.py, ``VecISA.check_build``; before torch 2.13 the child
+    imports torch). On the H100 host that made a process's first package load 36-45 s
+    and every later one 0.0-0.1 s (bench/RESULTS.md, twenty-fifth round); the ISA a
+    package uses was fixed when it was compiled. ``cpp.vec_isa_ok`` is inductor's own
+    switch to trust the CPU's flags; the ISA list cached under it is forgotten after, so a
+    compile in this process checks again."""
+    from torch._inductor import config, cpu_vec_isa
+
+    try:
+        with config.patch({"cpp.vec_isa_ok": True}):
+            yield
+    finally:
+        cached = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+        if cached is not None and hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 class _IsaNotice:
