@@ -173,15 +173,22 @@ def test_a_prefill_stall_costs_folded_prompts_as_the_mixed_call_beyond_the_step(
     """Two short prompts join a running bucket under a stall budget of 0.5 (s, by the
     table). Folded, they cost the mixed call beyond the step (1.2 - 1.0 for both): both go
     in, in one mixed call. Costed as their prefill calls (1.0, then 0.1 more) only the first
-    would; where the mixed call is dear they are not folded and go in one an iteration."""
+    would; where the mixed call is dear they are not folded and go in one an iteration;
+    where it was not timed (``always`` folds anyway) they are costed as prefill calls."""
     table = {(1, 16): 1.0, (2, 16): 1.1}
     cheap = PrefillCosts(table, step=1.0, mixed={8: 1.2, 16: 1.3})
     dear = PrefillCosts(table, step=1.0, mixed={8: 2.5, 16: 2.6})
-    for costs, calls in ((cheap, [(1, 2)]), (dear, [])):
+    untimed = PrefillCosts(table, step=1.0)
+    cases = (
+        (cheap, "auto", [(1, 2)]),
+        (dear, "auto", []),
+        (untimed, "always", [(1,), (2,)]),
+    )
+    for costs, fold, calls in cases:
         m = MixingModel(prefill_lengths={B: (16,)})
         first = request(range(10, 14), 12)
         joins = [request([30 + i, 5], 6) for i in range(2)]
-        out = staggered(m, [first], joins, fold="auto", call_costs={B: costs}, prefill_stall=0.5)
+        out = staggered(m, [first], joins, fold=fold, call_costs={B: costs}, prefill_stall=0.5)
         for r, (tokens, _) in zip([first, *joins], out, strict=True):
             assert tokens == alone(r.prompt, r.max_tokens)
         assert [call[1] for call in mixed_calls(m)] == calls

@@ -244,10 +244,10 @@ class Calls:
         size, cost = call_size(res), self.prefill_costs.get(res.bucket)
         seconds = 0.0
         fold = self._fold_choice(res, items, size, cost)
-        if fold is not None:
-            stream, picked = fold
-            seconds += (costs.mixed_call(stream) or 0.0) - costs.step
-            folded = {id(r) for _, r, _ in picked}
+        mixed = None if fold is None else costs.mixed_call(fold[0])
+        if fold is not None and mixed is not None:  # unmeasured: costed as prefill calls
+            seconds += mixed - costs.step
+            folded = {id(r) for _, r, _ in fold[1]}
             items = [it for it in items if id(it[1]) not in folded]
         calls = prefill_calls(items, size, self.prefill_merge, cost)
         return seconds + sum(costs(len(group), length) for length, group in calls)
