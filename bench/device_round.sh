@@ -115,12 +115,14 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
 # changing a setting; it goes with the script.
 nvidia-smi --query-gpu=name,persistence_mode --format=csv,noheader >"$R/gpu.txt" 2>&1
 python3 -c "
-import time; t = time.perf_counter()
+import os, sys, time; t = time.perf_counter()
 import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()
 print(f'first CUDA context in this call: {time.perf_counter() - t:.1f} s', flush=True)
-time.sleep(3600)" >>"$R/gpu.txt" 2>&1 &
+while os.getppid() == int(sys.argv[1]):  # ends with the script, however it ends
+    time.sleep(1)" $$ >>"$R/gpu.txt" 2>&1 &
 HOLDER=$!
 trap 'kill $HOLDER 2>/dev/null' EXIT
+trap 'exit 143' TERM; trap 'exit 129' HUP; trap 'exit 130' INT  # so that EXIT runs
 run
 cat "$R/gpu.txt"; cp "$R/gpu.txt" "$OUT/" 2>/dev/null
 # the figures, not the logs of every server (the copy back has a file count limit); of

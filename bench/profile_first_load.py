@@ -5,10 +5,11 @@ one 0.0–0.1 s (bench/RESULTS.md, twenty-fifth round), with the driver already 
 times, in one fresh process, each step up to and past that first load: importing torch,
 the first CUDA context, importing ``torch._inductor``, the first and a second package
 load (each with its weights bound, as the server binds them), and profiles the first load.
-Last, it times what the loads now skip: torch's probe of the host's CPU vector ISAs, the
-cause found on the 2-core VM (``pipeline.runtime.graph_loading._no_isa_probe``). It also
-counts what a first load could be scanning that grows from process to process (the
-temporary folder, torch's and Triton's caches), before and after.
+Last, it times in a fresh interpreter what the loads now skip
+(``pipeline.runtime.graph_loading._no_isa_probe``): torch's device information, a probe of
+the host's CPU vector ISAs, the cause found on the 2-core VM. It also counts what a first
+load could be scanning that grows from process to process (the temporary folder, torch's
+and Triton's caches), before and after.
 
     python bench/profile_first_load.py RELEASE_DIR [--bucket b1_s256] [--json OUT]
 """
@@ -21,6 +22,7 @@ import io
 import json
 import os
 import pstats
+import subprocess
 import sys
 import tempfile
 import time
@@ -104,13 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     load_graph(packages[1], weights, spec, device, single_threaded=True)
     steps[f"second load ({packages[1].name})"] = time.perf_counter() - t
     # what the loads no longer do (pipeline.runtime.graph_loading._no_isa_probe): torch's
-    # check of the host's CPU vector ISAs, a probe compiled and loaded per ISA
-    from torch._inductor import cpu_vec_isa
-
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    t = time.perf_counter()
-    isa = cpu_vec_isa.pick_vec_isa()
-    steps[f"CPU ISA probe, skipped by the loads ({isa})"] = time.perf_counter() - t
+    # check of the host's CPU vector ISAs, timed in a fresh interpreter (no probe cached)
+    probe = (
+        "import time\n"
+        "from torch._inductor import codecache\n"
+        "t = time.perf_counter()\n"
+        "info = codecache.get_device_information('cpu')\n"
+        "print(info['AOTI_CPU_ISA'], time.perf_counter() - t)\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    words = ran.stdout.split() if ran.returncode == 0 else []
+    isa, seconds = [*words, "?", "nan"][:2]
+    steps[f"device information, skipped by the loads ({isa})"] = float(seconds)
     after = {name: _count(f) for name, f in _folders().items()}
 
     out = io.StringIO()

@@ -252,28 +252,26 @@ def test_weights_that_do_not_fit_the_graphs_are_one_clear_error(installed, tmp_p
         BucketGraphs(copy)
 
 
-def test_a_package_loads_without_probing_which_cpu_vector_isas_build(installed, monkeypatch):
-    """torch checks the host's CPU ISAs at a process's first package load (a probe compiled
-    and loaded per ISA: 36-45 s on the H100 host) only to warn of a difference from the
-    build; the load skips it, and a compile later in the process checks them again."""
-    from torch._inductor import cpu_vec_isa
+def test_a_package_loads_without_probing_the_host(installed, monkeypatch):
+    """torch asks for the host's device information at a package load (a probe compiled and
+    loaded per CPU vector ISA: most of a process's 36-45 s first load on the H100 host) only
+    to warn of a difference from the build; the load skips it, whatever the host's ISAs,
+    and torch's own function is back after."""
+    from torch._inductor import codecache, cpu_vec_isa
 
     from pipeline.runtime.graph_loading import BucketGraphs
 
-    probed = []
+    real = codecache.get_device_information
+    asked = []
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: asked.append("isa"))
     monkeypatch.setattr(
-        cpu_vec_isa.VecISA, "check_build", lambda isa, code: probed.append(str(isa)) or True
+        codecache, "get_device_information", lambda *a: asked.append("info") or real(*a)
     )
-    # forget what earlier tests of this process found (the ISA list, each ISA's answer)
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    cpu_vec_isa.VecISA._VecISA__bool__impl.cache_clear()
+    spied = codecache.get_device_information
     _, model_dir = installed
-    bucket = next((model_dir / "current" / "buckets").iterdir())
-    BucketGraphs(bucket)
-    assert probed == []
-    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 0  # checked again later
-    cpu_vec_isa.valid_vec_isa_list.cache_clear()
-    cpu_vec_isa.VecISA._VecISA__bool__impl.cache_clear()
+    BucketGraphs(next((model_dir / "current" / "buckets").iterdir()))
+    assert asked == []
+    assert codecache.get_device_information is spied  # put back as it was
 
 
 def test_cuda_kernels_for_another_gpu_architecture_are_refused(monkeypatch, tmp_path):

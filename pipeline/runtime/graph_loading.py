@@ -4,6 +4,7 @@ against the contract it was built for (``pipeline.contracts.graph_abi``)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -108,28 +109,39 @@ def _quiet_isa_notice() -> None:
         log.addFilter(_IsaNotice())
 
 
+_LOADING = threading.Lock()  # the swap below is process-wide: one load at a time
+
+
 @contextlib.contextmanager
 def _no_isa_probe() -> Iterator[None]:
-    """Load without torch's check of which CPU vector ISAs this host can build and run.
+    """Load without torch's check of the host against the build.
 
     A package load asks for the host's device information only to warn where it differs
-    from the build's (torch/export/pt2_archive/_package.py, ``_load_aoti``), and the CPU ISA
-    in it is found by compiling a probe per ISA and loading each in a child interpreter
+    from the build's (torch/export/pt2_archive/_package.py, ``_load_aoti``, which imports
+    ``codecache.get_device_information`` when called). The CPU ISA in it is found by
+    compiling a probe per vector ISA and loading each in a child interpreter
     (torch/_inductor/cpu_vec_isa.py, ``VecISA.check_build``; before torch 2.13 the child
-    imports torch). On the H100 host that made a process's first package load 36-45 s
-    and every later one 0.0-0.1 s (bench/RESULTS.md, twenty-fifth round); the ISA a
-    package uses was fixed when it was compiled. ``cpp.vec_isa_ok`` is inductor's own
-    switch to trust the CPU's flags; the ISA list cached under it is forgotten after, so a
-    compile in this process checks again."""
-    from torch._inductor import config, cpu_vec_isa
+    imports torch; AVX-512 and AMX hosts probe several). On the H100 host a process's first
+    package load took 36-45 s and every later one 0.0-0.1 s (bench/RESULTS.md, twenty-fifth
+    round). What a package runs was fixed when it was compiled, and a cuda package's GPU
+    architecture is checked by ``check_runs_here``; so for the load, the host's information
+    is empty (nothing to compare, no warning), and torch's own is back after it, untouched
+    (no cache of it is filled or cleared)."""
+    from torch._inductor import codecache
 
-    try:
-        with config.patch({"cpp.vec_isa_ok": True}):
+    with _LOADING:
+        real = getattr(codecache, "get_device_information", None)
+        if real is not None:
+            codecache.get_device_information = _nothing_to_compare
+        try:
             yield
-    finally:
-        cached = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
-        if cached is not None and hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+        finally:
+            if real is not None:
+                codecache.get_device_information = real
+
+
+def _nothing_to_compare(device_type: str) -> dict[str, str]:
+    return {}
 
 
 class _IsaNotice:

@@ -246,7 +246,7 @@ class Calls:
         fold = self._fold_choice(res, items, size, cost)
         mixed = None if fold is None else costs.mixed_call(fold[0])
         if fold is not None and mixed is not None:  # unmeasured: costed as prefill calls
-            seconds += mixed - costs.step
+            seconds += max(0.0, mixed - costs.step)  # timings are noisy
             folded = {id(r) for _, r, _ in fold[1]}
             items = [it for it in items if id(it[1]) not in folded]
         calls = prefill_calls(items, size, self.prefill_merge, cost)

@@ -42,14 +42,22 @@ class PrefillCosts:
     mixed: dict[int, float] = field(default_factory=dict)
     # (prompts, seconds) rising, by length: the engine asks many times an iteration
     _by_length: dict[int, list[tuple[int, float]]] = field(init=False, repr=False)
+    # each cost asked, kept: a split of 32 prompts, costed again for each admission under
+    # --prefill-stall, asks thousands of times
+    _asked: dict[tuple[int, int], float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_length", _by_length(self.seconds))
+        object.__setattr__(self, "_asked", {})
 
     def __call__(self, prompts: int, length: int) -> float:
         """A call's cost, interpolated linearly between the prompt counts measured at its
         length (every call the engine makes is within them)."""
-        return _interpolated(self._by_length, prompts, length, "prefill")
+        key = (prompts, length)
+        cost = self._asked.get(key)
+        if cost is None:
+            cost = self._asked[key] = _interpolated(self._by_length, prompts, length, "prefill")
+        return cost
 
     def fold_saving(self, apart: float, stream: int) -> float:
         """What folding prompts into their bucket's step saves, as a mixed call whose stream
