@@ -126,7 +126,8 @@ def _no_isa_probe() -> Iterator[None]:
     round). What a package runs was fixed when it was compiled, and a cuda package's GPU
     architecture is checked by ``check_runs_here``; so for the load, the host's information
     is empty (nothing to compare, no warning), and torch's own is back after it, untouched
-    (no cache of it is filled or cleared)."""
+    (no cache of it is filled or cleared). A compile in another thread meanwhile would
+    record no host information in its package; ours run in worker processes."""
     from torch._inductor import codecache
 
     with _LOADING:
