@@ -215,6 +215,24 @@ def test_prompts_of_one_iteration_fold_into_a_step_of_an_idle_bucket_beside_anot
     assert mixed_calls(m)[0] == ((0,), (1,))
 
 
+def test_nothing_folds_into_an_idle_bucket_beside_prompts_apart_that_want_one_token():
+    """In an idle bucket a prompt folds only into the step of a prompt prefilled apart; one
+    that ends at its first token does not step, so nothing folds (the stall budget costs
+    what ``_fold_choice`` says, so it must say what the launch does)."""
+    from pipeline.server.engine import Engine
+
+    m = MixingModel(prefill_lengths={B: (16,)})
+    engine = Engine(m, [B], None, deliver=lambda out: None, max_queue=4, fold="always")
+    res = engine._resident[0]
+    short = request([7, 8], 5)
+    for long_tokens, folds in ((1, False), (5, True)):
+        items = [(64, request(range(40, 60), long_tokens), 0), (16, short, 1)]
+        choice = engine._fold_choice(res, items, 2, None)
+        assert (choice is not None) is folds
+        if folds:
+            assert choice[1] == [items[1]]
+
+
 def test_a_mixed_call_that_raises_at_launch_runs_apart_and_its_bucket_folds_no_more(caplog):
     m = MixingModel(prefill_lengths={B: (16,)})
     m.slots(B).failing_mixed = ValueError

@@ -206,7 +206,8 @@ class Calls:
         """Which of a bucket's admitted prompts (each as its prefill length, request, slot)
         ride in its step, packed into one mixed call (``placement.fold_prompts``), and the
         stream's length: where the slots have mixed calls and the bucket steps this
-        iteration (rows running, or prompts left to prefill apart), and with ``auto`` where
+        iteration (rows running, or prompts left to prefill apart that want more than one
+        token), and with ``auto`` where
         the start-up costs say the mixed call costs less than the prefill calls those
         prompts would take and the step apart."""
         lengths = getattr(res.slots, "mixed_lengths", ())
@@ -219,7 +220,9 @@ class Calls:
             [len(r.prompt) for _, r, _ in items], max(lengths), most, res.bucket.seq
         )
         running = any(0 < r.launched < r.max_tokens for r in res.rows.values())
-        if not chosen or (not running and len(chosen) == len(items)):
+        # a prompt prefilled apart steps this iteration only if it wants a second token
+        apart = [r for i, (_, r, _) in enumerate(items) if i not in set(chosen)]
+        if not chosen or not (running or any(r.max_tokens > 1 for r in apart)):
             return None
         picked = [items[i] for i in chosen]
         stream = mixed_length(lengths, sum(len(r.prompt) for _, r, _ in picked))
