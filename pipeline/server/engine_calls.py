@@ -161,14 +161,10 @@ class Calls:
         calls = []
         for bucket, admitted_here in per_bucket.items():
             res = by_bucket[bucket]
-            size = call_size(res)
-            cost = self.prefill_costs.get(bucket)
-            fold = self._fold_choice(res, admitted_here, size, cost)
+            fold, apart = self._plan(res, admitted_here)
             if fold is not None:  # launched with the bucket's step (_launch_step)
                 self._folds[bucket] = fold
-                folded = {id(req) for _, req, _ in fold[1]}
-                admitted_here = [it for it in admitted_here if id(it[1]) not in folded]
-            for computed, items in prefill_calls(admitted_here, size, self.prefill_merge, cost):
+            for computed, items in apart:
                 calls += self._launch_group(res, computed, items, out)
             self.hooks.slots(bucket, len(res.rows))
         return calls
@@ -221,7 +217,8 @@ class Calls:
         )
         running = any(0 < r.launched < r.max_tokens for r in res.rows.values())
         # a prompt prefilled apart steps this iteration only if it wants a second token
-        apart = [r for i, (_, r, _) in enumerate(items) if i not in set(chosen)]
+        folded = set(chosen)
+        apart = [r for i, (_, r, _) in enumerate(items) if i not in folded]
         if not chosen or not (running or any(r.max_tokens > 1 for r in apart)):
             return None
         picked = [items[i] for i in chosen]
@@ -236,23 +233,36 @@ class Calls:
                 return None
         return stream, picked
 
+    def _plan(
+        self, res: Resident, items: list[tuple[int, Request, int]]
+    ) -> tuple[
+        tuple[int, list[tuple[int, Request, int]]] | None,
+        list[tuple[int, list[tuple[int, Request, int]]]],
+    ]:
+        """How a bucket's admitted prompts (each as its prefill length, request, slot) are
+        launched: those folded into its step (``_fold_choice``: the stream's length and
+        them; None: none), and the others' prefill calls (``placement.prefill_calls``)."""
+        size, cost = call_size(res), self.prefill_costs.get(res.bucket)
+        fold = self._fold_choice(res, items, size, cost)
+        if fold is not None:
+            folded = {id(r) for _, r, _ in fold[1]}
+            items = [it for it in items if id(it[1]) not in folded]
+        return fold, prefill_calls(items, size, self.prefill_merge, cost)
+
     def _stall(self, res: Resident, items: list[tuple[int, Request, int]]) -> float:
         """Seconds a bucket's admissions (each as its prefill length, request, slot) add to
-        the iteration, as ``_launch_prefills`` would launch them by the start-up timings: the
-        prompts folded into the step cost the mixed call beyond the step, the others their
-        prefill calls (``--prefill-stall``); 0 where the bucket has no timings."""
+        the iteration, launched as ``_plan`` says, by the start-up timings: the prompts
+        folded into the step cost the mixed call beyond the step, the others their prefill
+        calls (``--prefill-stall``); 0 where the bucket has no timings."""
         costs = self.call_costs.get(res.bucket)
         if costs is None:
             return 0.0
-        size, cost = call_size(res), self.prefill_costs.get(res.bucket)
-        seconds = 0.0
-        fold = self._fold_choice(res, items, size, cost)
+        fold, calls = self._plan(res, items)
         mixed = None if fold is None else costs.mixed_call(fold[0])
-        if fold is not None and mixed is not None:  # unmeasured: costed as prefill calls
-            seconds += max(0.0, mixed - costs.step)  # timings are noisy
-            folded = {id(r) for _, r, _ in fold[1]}
-            items = [it for it in items if id(it[1]) not in folded]
-        calls = prefill_calls(items, size, self.prefill_merge, cost)
+        if fold is not None and mixed is None:  # not timed: every prompt as prefill calls
+            cost = self.prefill_costs.get(res.bucket)
+            calls = prefill_calls(items, call_size(res), self.prefill_merge, cost)
+        seconds = 0.0 if mixed is None else max(0.0, mixed - costs.step)  # timings are noisy
         return seconds + sum(costs(len(group), length) for length, group in calls)
 
     def _shared_failed(self, bucket: Bucket, prompts: int, e: Exception) -> None:
