@@ -13,7 +13,11 @@ baselines measured in the same run on the same endpoint:
   ``--concurrency``, else pull's default for this machine); ``lean-sha256`` pulls the same
   bytes published as schema 2 did (parts checked by sha256, not BLAKE3); two experiments:
   ``lean-lowat`` (each large socket read waits for 1 MiB: fewer GIL turns a range) and
-  ``lean-procsN`` (the ranges landed by N forked worker processes, one GIL each).
+  ``lean-procsN`` (the ranges landed by N forked worker processes, one GIL each),
+  ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); and
+  ``lean-s5cmd``: s5cmd lands every file and the pull checks each file's parts as s5cmd
+  reports it landed (``INF2_BENCH_S5CMD_CHECKERS`` threads, ``INF2_BENCH_S5CMD_ARGS`` more
+  s5cmd flags).
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
@@ -218,6 +222,86 @@ if procs:  # experiment (--pulls lean-procsN): the ranges landed by N forked pro
             if failed:
                 raise RuntimeError(f"worker processes failed: {failed}")
     pull.Fetcher = Forking
+if __import__("os").environ.get("INF2_BENCH_SPARSE"):  # experiment (--pulls lean-sparse): each
+    import os  # temporary file made sparse (ftruncate), not preallocated: the ranges then land
+    # in holes, not in unwritten extents that the filesystem converts as they are written
+    def sparse(path, size):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.ftruncate(fd, size)
+        return fd
+    import pipeline.install.fetcher
+    pipeline.install.fetcher.preallocated = sparse
+s5 = __import__("os").environ.get("INF2_BENCH_S5CMD")
+if s5:  # experiment (--pulls lean-s5cmd): s5cmd lands every file, and each file's parts are
+    # checked as s5cmd reports it landed (in CHECKERS threads; a bad part fetched again by
+    # our own GET): s5cmd's transport with our verification
+    import os, subprocess, tempfile, threading
+    from concurrent.futures import ThreadPoolExecutor
+    from pipeline.contracts.store_layout import blob_key
+    from pipeline.install.installed import TEMPORARY_SUFFIX
+    from pipeline.store.refs import part_matches
+    class ViaS5cmd:
+        def __init__(self, store, concurrency, part_size, verify):
+            self.store = store
+            self.downloaded = self.parts = self.refetched_parts = 0
+            self.refetched_files = self.resumed = 0
+            n = int(os.environ.get("INF2_BENCH_S5CMD_CHECKERS", "0"))
+            self.checkers = n or os.cpu_count() or 4  # many files land together, at the end
+            self.lock = threading.Lock()
+        def check(self, target, ref):
+            tmp = target.with_name(f".{target.name}{TEMPORARY_SUFFIX}")
+            t = time.perf_counter()
+            fd = os.open(tmp, os.O_RDWR)
+            try:
+                assert ref.parts is not None, "the experiment checks parts only"
+                buf = landing._buffer(ref.part_size)
+                for i in range(len(ref.parts)):
+                    off, n = ref.part_range(i)
+                    part, tries = buf[:n], 0
+                    have = os.preadv(fd, [part], off)
+                    while have != n or not part_matches(ref, i, part):
+                        tries += 1
+                        assert tries <= landing.PART_RETRIES, f"part {i} of {ref.path} bad"
+                        have = landing._read(self.store, blob_key(ref.sha256), off, part)
+                        if have == n and part_matches(ref, i, part):
+                            landing._pwrite(str(tmp), fd, part, off)
+                            self.refetched_parts += 1
+                            break
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+            spent, key = time.perf_counter() - t, "checking (thread-seconds)"
+            with self.lock:  # the checkers add up from many threads
+                stages[key] = stages.get(key, 0) + spent
+        def fetch_all(self, jobs, progress):
+            st, by_dest, lines = self.store, {}, []
+            for target, ref in jobs:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f".{target.name}{TEMPORARY_SUFFIX}")
+                by_dest[str(tmp)] = (target, ref)
+                lines.append(f"cp s3://{st.bucket}/{st.prefix}{blob_key(ref.sha256)} {tmp}\\n")
+            with tempfile.NamedTemporaryFile("w", suffix=".s5cmd") as cmds:
+                cmds.write("".join(lines))
+                cmds.flush()
+                extra = os.environ.get("INF2_BENCH_S5CMD_ARGS", "").split()
+                t = time.perf_counter()
+                proc = subprocess.Popen(
+                    [s5, "--json", "--endpoint-url", os.environ["AWS_ENDPOINT_URL"], *extra,
+                     "run", cmds.name], stdout=subprocess.PIPE, text=True)
+                futures = []
+                with ThreadPoolExecutor(self.checkers) as pool:
+                    for line in proc.stdout:
+                        ev = json.loads(line)
+                        if ev.get("operation") == "cp" and ev.get("success"):
+                            futures.append(pool.submit(self.check, *by_dest[ev["destination"]]))
+                    stages["s5cmd (wall)"] = time.perf_counter() - t
+                    rc = proc.wait()
+                    for f in futures:
+                        f.result()
+            assert rc == 0 and len(futures) == len(jobs), f"s5cmd: rc {rc}, {len(futures)} files"
+            self.downloaded = sum(ref.size for _, ref in jobs)
+            self.parts = sum(len(ref.parts) for _, ref in jobs)
+    pull.Fetcher = ViaS5cmd
 stages, calls = {}, {}
 if sys.argv[4] == "stages":  # wall seconds inside each call that releases the GIL, all threads
     import hashlib, socket, threading
@@ -254,9 +338,9 @@ store = S3Store.from_url(sys.argv[1])
 store_s = time.perf_counter() - t
 r = pull.pull_release(store, "bench", Path(sys.argv[2]), version=sys.argv[5], concurrency=c)
 hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
-if procs:  # the workers run together: at most each one's peak, all at once, beside ours
+if procs or s5:  # children run beside us: at most each one's peak, all at once
     import resource
-    hwm += procs * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    hwm += max(procs, 1) * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 print(json.dumps({**r.to_dict(), "peak_rss": hwm, "import_s": imported,
                   "store_s": store_s, "stages": stages, "calls": calls}))
 """
@@ -335,6 +419,8 @@ VARIANTS = {
     "botocore": "",
     "lean-sha256": "sha256 parts (schema 2)",
     "lean-lowat": "SO_RCVLOWAT 1 MiB (experiment)",
+    "lean-sparse": "sparse temporary files, not preallocated (experiment)",
+    "lean-s5cmd": "s5cmd lands, parts checked as each file lands (experiment)",
     # and lean-procsN: N worker processes (experiment)
 }
 LOWAT = 1 << 20
@@ -412,6 +498,10 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             experiment = {"INF2_BENCH_RCVLOWAT": str(LOWAT)} if gets.endswith("-lowat") else {}
             if gets.startswith("lean-procs"):
                 experiment = {"INF2_BENCH_PROCESSES": gets.removeprefix("lean-procs")}
+            if gets.endswith("-sparse"):
+                experiment = {"INF2_BENCH_SPARSE": "1"}
+            if gets.endswith("-s5cmd"):
+                experiment = {"INF2_BENCH_S5CMD": str(Path(args.s5cmd).resolve())}
             gets, version = _gets_and_version(gets)
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
@@ -471,6 +561,9 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 "memory_bound": bound,
                 "vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
                 "vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
+                # the last run's own split: imports, the store's client, pull_release, and
+                # what an experiment timed inside it
+                "last_run": {k: last.get(k) for k in ("import_s", "store_s", "seconds", "stages")},
             }
             for key, name in (("vs_boto3", "boto3 download_file (defaults)"),
                               ("vs_curl", "curl → /dev/null (raw loopback)")):  # fmt: skip
