@@ -73,7 +73,8 @@ stage_serve2048() {
 stage_serve256() {
   # at 2000 requests the default ways (five servers, ~45-55 s each to start, the lone way
   # ~35 s) and the peer (~290 tok/s: ~95 s) need most of a call: begun later, it is cut
-  local need=250; [ ${#PEER[@]} -gt 0 ] && need=450
+  # (NEED256 overrides: fewer ways, or servers that start fast, need less)
+  local need=250; [ ${#PEER[@]} -gt 0 ] && need=450; need=${NEED256:-$need}
   stage serve256 "$need" python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-2000}" --concurrency 32 \
     --client-procs "${CLIENT_PROCS:-4}" \
     --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${more256[@]}" "${PEER[@]}" \
