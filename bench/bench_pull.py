@@ -392,6 +392,8 @@ def main() -> None:
     }
     for files in (int(n) for n in args.shapes.split(",")):
         results["shapes"][f"{files} files"] = bench_shape(args, files)
+        if args.out:  # after each shape too: a run cut short keeps what it measured
+            args.out.write_text(json.dumps(results, indent=2))
     other_figures(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
