@@ -721,15 +721,25 @@ def test_within_stall_admits_a_prefix_by_what_each_adds_to_its_buckets_stall():
     # and 0.256 more for its second prompt passes 3 ms
     assert within_stall([a] * 6, by_length, 3e-3) == 5
     assert within_stall([a] * 6, by_length, 4e-3) == 6
-    # each placement costs what it adds to its own key's stall, whichever keys came between
-    per_key = {a: [], b: []}
+    # each placement costs what it adds to its own key's stall, whichever keys came between:
+    # a key is always costed with all of its placements in a prefix
+    keys, asked = [a, b, a, b, a], []
 
     def logged(key: Bucket, chosen: list[int]) -> float:
-        per_key[key].append(list(chosen))
+        asked.append((key, list(chosen)))
         return 1e-3 * len(chosen) ** 2  # 1, 3, 5 ms more for a key's first, second, third
 
-    assert within_stall([a, b, a, b, a], logged, 8.5e-3) == 4  # 1 + 1 + 3 + 3, then 5
-    assert per_key == {a: [[0], [0, 2], [0, 2, 4]], b: [[1], [1, 3]]}
+    assert within_stall(keys, logged, 8.5e-3) == 4  # 1 + 1 + 3 + 3, then 5
+    assert within_stall(keys, logged, 7.9e-3) == 3
+    assert within_stall(keys, logged, 9.0e-3) == 4
+    assert within_stall(keys, logged, 13.5e-3) == 5
+    for key, chosen in asked:
+        n = chosen[-1] + 1
+        assert chosen == [i for i in range(n) if keys[i] == key]
+    # a burst of 32 is costed a few times, not once per placement
+    asked.clear()
+    assert within_stall([a] * 32, logged, 420e-3) == 20  # 20² ms ≤ 420, 21² not
+    assert len(asked) <= 2 * 5 + 1  # one per placement would be 21
     # a placement may cost less than nothing (it makes a cheaper call of the others worth it)
     assert within_stall([a, a, a], lambda k, c: [2e-3, 1e-3, 2.5e-3][len(c) - 1], 2.6e-3) == 3
     # the first always goes in, however dear; the count is a prefix: nothing after a
