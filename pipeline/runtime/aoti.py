@@ -52,6 +52,7 @@ class AotiRunner:
         time logged by part: a server's start is mostly this on cuda (~40 s for three s256
         buckets on an H100, bench/RESULTS.md), and the line says which part to cut."""
         for bucket in buckets:
+            earlier = bucket in self._graphs  # its parts below were timed at that load
             start = time.perf_counter()
             bucket_graphs = self._bucket(bucket)
             loaded = time.perf_counter()
@@ -60,10 +61,10 @@ class AotiRunner:
             took = bucket_graphs.load_seconds
             slowest = max(took, key=took.__getitem__)
             log.info(
-                "%s: packages and weights %.1f s (weights %.1f s, %d packages %.1f s, "
+                "%s: packages and weights %s (weights %.1f s, %d packages %.1f s, "
                 "slowest %s %.1f s), %s %.1f s",
                 bucket.name,
-                loaded - start,
+                "loaded earlier" if earlier else f"{loaded - start:.1f} s",
                 self._weights_seconds.get(bucket, 0.0),
                 len(took),
                 sum(took.values()),

@@ -100,8 +100,10 @@ def check_weights(path: Path, spec: GraphSpec, constants: dict[str, Any]) -> Non
 
 
 def _quiet_isa_notice() -> None:
-    """cpu packages target a portable ISA (x86-64-v3) on purpose; torch warns at every load
-    that the build machine had more. Drop just that notice."""
+    """cpu packages target a portable ISA (x86-64-v3) on purpose, and torch warns at a load
+    where the build machine had more. The loads skip the check that warns
+    (``_no_isa_probe``), so this is a guard for a torch whose load no longer goes through
+    it: drop just that notice."""
     import logging
 
     log = logging.getLogger("torch.export.pt2_archive._package")
