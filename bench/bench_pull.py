@@ -239,7 +239,6 @@ if s5:  # experiment (--pulls lean-s5cmd): s5cmd lands every file, and each file
     from concurrent.futures import ThreadPoolExecutor
     from pipeline.contracts.store_layout import blob_key
     from pipeline.install.installed import TEMPORARY_SUFFIX
-    from pipeline.store.refs import part_matches
     class ViaS5cmd:
         def __init__(self, store, concurrency, part_size, verify):
             self.store = store
@@ -252,21 +251,16 @@ if s5:  # experiment (--pulls lean-s5cmd): s5cmd lands every file, and each file
             tmp = target.with_name(f".{target.name}{TEMPORARY_SUFFIX}")
             t = time.perf_counter()
             fd = os.open(tmp, os.O_RDWR)
-            try:
+            try:  # each part as resuming checks it; a bad one fetched again as landing does
                 assert ref.parts is not None, "the experiment checks parts only"
-                buf = landing._buffer(ref.part_size)
+                key, buf = blob_key(ref.sha256), landing._buffer(ref.part_size)
                 for i in range(len(ref.parts)):
                     off, n = ref.part_range(i)
-                    part, tries = buf[:n], 0
-                    have = os.preadv(fd, [part], off)
-                    while have != n or not part_matches(ref, i, part):
-                        tries += 1
-                        assert tries <= landing.PART_RETRIES, f"part {i} of {ref.path} bad"
-                        have = landing._read(self.store, blob_key(ref.sha256), off, part)
-                        if have == n and part_matches(ref, i, part):
-                            landing._pwrite(str(tmp), fd, part, off)
-                            self.refetched_parts += 1
-                            break
+                    if not landing._already_there(fd, ref, off, buf[:n]):
+                        job = landing.RangeJob(key, ref, str(tmp), off, n, False, False)
+                        _, bad = landing._write_parts(self.store, job, fd, buf[:n], 0)
+                        with self.lock:
+                            self.refetched_parts += bad
             finally:
                 os.close(fd)
             os.replace(tmp, target)

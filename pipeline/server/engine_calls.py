@@ -242,12 +242,18 @@ class Calls:
         """How a bucket's admitted prompts (each as its prefill length, request, slot) are
         launched: those folded into its step (``_fold_choice``: the stream's length and
         them; None: none), and the others' prefill calls (``placement.prefill_calls``)."""
-        size, cost = call_size(res), self.prefill_costs.get(res.bucket)
-        fold = self._fold_choice(res, items, size, cost)
+        fold = self._fold_choice(res, items, call_size(res), self.prefill_costs.get(res.bucket))
         if fold is not None:
             folded = {id(r) for _, r, _ in fold[1]}
             items = [it for it in items if id(it[1]) not in folded]
-        return fold, prefill_calls(items, size, self.prefill_merge, cost)
+        return fold, self._apart(res, items)
+
+    def _apart(
+        self, res: Resident, items: list[tuple[int, Request, int]]
+    ) -> list[tuple[int, list[tuple[int, Request, int]]]]:
+        """The prefill calls of prompts prefilled apart (``placement.prefill_calls``)."""
+        cost = self.prefill_costs.get(res.bucket)
+        return prefill_calls(items, call_size(res), self.prefill_merge, cost)
 
     def _stall(self, res: Resident, items: list[tuple[int, Request, int]]) -> float:
         """Seconds a bucket's admissions (each as its prefill length, request, slot) add to
@@ -260,8 +266,7 @@ class Calls:
         fold, calls = self._plan(res, items)
         mixed = None if fold is None else costs.mixed_call(fold[0])
         if fold is not None and mixed is None:  # not timed: every prompt as prefill calls
-            cost = self.prefill_costs.get(res.bucket)
-            calls = prefill_calls(items, call_size(res), self.prefill_merge, cost)
+            calls = self._apart(res, items)
         seconds = 0.0 if mixed is None else max(0.0, mixed - costs.step)  # timings are noisy
         return seconds + sum(costs(len(group), length) for length, group in calls)
 
