@@ -17,7 +17,8 @@ baselines measured in the same run on the same endpoint:
   ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); and
   ``lean-s5cmd``: s5cmd lands every file and the pull checks each file's parts as s5cmd
   reports it landed (``INF2_BENCH_S5CMD_CHECKERS`` threads, ``INF2_BENCH_S5CMD_ARGS`` more
-  s5cmd flags).
+  s5cmd flags); ``lean-s5cmdN``, the same with s5cmd's ``--numworkers N`` (N files at a
+  time, so that the checks overlap the landing of the files after them).
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
@@ -398,6 +399,11 @@ def _pull_variant(spec: str) -> tuple[str, str, int]:
     gets, _, c = spec.partition(":")
     if re.fullmatch(r"lean-procs[1-9][0-9]*", gets):
         VARIANTS[gets] = f"{gets.removeprefix('lean-procs')} worker processes (experiment)"
+    if re.fullmatch(r"lean-s5cmd[1-9][0-9]*", gets):
+        VARIANTS[gets] = (
+            f"s5cmd lands {gets.removeprefix('lean-s5cmd')} files at a time, parts checked as "
+            "each file lands (experiment)"
+        )
     if gets not in VARIANTS or not (c or "0").isdigit():
         sys.exit(
             f"error: --pulls: {spec!r} is not GETS[:CONCURRENCY] (GETS: {', '.join(VARIANTS)}; "
@@ -417,7 +423,8 @@ VARIANTS = {
     "lean-lowat": "SO_RCVLOWAT 1 MiB (experiment)",
     "lean-sparse": "sparse temporary files, not preallocated (experiment)",
     "lean-s5cmd": "s5cmd lands, parts checked as each file lands (experiment)",
-    # and lean-procsN: N worker processes (experiment)
+    # and lean-procsN: N worker processes; lean-s5cmdN: s5cmd's --numworkers N, so that
+    # files land (and are checked) one batch after another, not all at the end (experiments)
 }
 LOWAT = 1 << 20
 
@@ -496,8 +503,10 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 experiment = {"INF2_BENCH_PROCESSES": gets.removeprefix("lean-procs")}
             if gets.endswith("-sparse"):
                 experiment = {"INF2_BENCH_SPARSE": "1"}
-            if gets.endswith("-s5cmd"):
+            if re.fullmatch(r"lean-s5cmd[0-9]*", gets):
                 experiment = {"INF2_BENCH_S5CMD": str(Path(args.s5cmd).resolve())}
+                if workers := gets.removeprefix("lean-s5cmd"):
+                    experiment["INF2_BENCH_S5CMD_ARGS"] = f"--numworkers {workers}"
             gets, version = _gets_and_version(gets)
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",
