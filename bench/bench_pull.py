@@ -14,7 +14,9 @@ baselines measured in the same run on the same endpoint:
   bytes published as schema 2 did (parts checked by sha256, not BLAKE3); two experiments:
   ``lean-lowat`` (each large socket read waits for 1 MiB: fewer GIL turns a range) and
   ``lean-procsN`` (the ranges landed by N forked worker processes, one GIL each),
-  ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); and
+  ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); ``lean-stream``
+  (each range read 1 MiB at a time into one buffer per thread, each MiB hashed and written
+  while in cache; a part trusted once its digest matched, a bad one fetched again); and
   ``lean-s5cmd``: s5cmd lands every file and the pull checks each file's parts as s5cmd
   reports it landed (``INF2_BENCH_S5CMD_CHECKERS`` threads, ``INF2_BENCH_S5CMD_ARGS`` more
   s5cmd flags); ``lean-s5cmdN``, the same with s5cmd's ``--numworkers N`` (N files at a
@@ -232,6 +234,77 @@ if __import__("os").environ.get("INF2_BENCH_SPARSE"):  # experiment (--pulls lea
         return fd
     import pipeline.install.fetcher
     pipeline.install.fetcher.preallocated = sparse
+chunk = int(__import__("os").environ.get("INF2_BENCH_STREAM", "0"))
+if chunk:  # experiment (--pulls lean-stream): each range streamed through one small buffer
+    # per thread, every chunk hashed and written while it is still in cache (each byte then
+    # crosses memory about as often as in s5cmd, not into a 16 MiB buffer and out twice);
+    # a part is trusted only when its digest matched, and a bad one is fetched again apart
+    # (a killed pull's temporary file may then hold unchecked bytes: resuming checks every
+    # part on disk before it keeps one)
+    import os, threading
+    import blake3
+    from pipeline.store import s3_ranges
+    local, plain_body = threading.local(), s3_ranges.RangeReader._body
+    def body(self, resp, start, buf, what, bucket, key):
+        sink = getattr(local, "sink", None)
+        if sink is None or resp.status != 206:
+            return plain_body(self, resp, start, buf, what, bucket, key)
+        s3_ranges.check_content_range(resp.getheader("Content-Range") or "", start, what)
+        small = getattr(local, "small", None)
+        if small is None:
+            local.small = small = memoryview(bytearray(chunk))
+        got = 0
+        try:
+            while got < len(buf):
+                piece, n = small[: min(chunk, len(buf) - got)], 0
+                while n < len(piece) and (k := resp.readinto(piece[n:])):
+                    n += k
+                if n:
+                    sink(piece[:n], start + got)
+                got += n
+                if n < len(piece):
+                    break
+        except (OSError, s3_ranges.http.client.HTTPException) as e:
+            raise s3_ranges._unreachable(what, e) from None
+        if resp.length and got < len(buf):
+            raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
+        return got
+    s3_ranges.RangeReader._body = body
+    plain_land = landing.land_range
+    def land_range(store, job, open_fd):
+        ref = job.ref
+        if ref.parts_blake3 is None or job.resume:
+            return plain_land(store, job, open_fd)
+        fd, parts = open_fd(), list(landing._parts_of(ref, job.start, job.length))
+        hashers, have = {}, {}
+        def sink(data, off):
+            landing._pwrite(job.tmp, fd, data, off)
+            while data:
+                i = off // ref.part_size
+                end = min(len(data), ref.part_range(i)[0] + ref.part_range(i)[1] - off)
+                hashers.setdefault(i, blake3.blake3(max_threads=1)).update(data[:end])
+                have[i] = have.get(i, 0) + end
+                data, off = data[end:], off + end
+        def fetch():
+            hashers.clear(), have.clear()  # a retried range starts again
+            return store.read_range_into(job.key, job.start, landing._buffer(job.length))
+        local.sink = sink
+        try:
+            got = landing.with_retries(fetch)
+        finally:
+            local.sink = None
+        extra = bad = 0
+        for i in parts:
+            off, n = ref.part_range(i)
+            if have.get(i) == n and hashers[i].hexdigest() == ref.parts_blake3[i]:
+                continue
+            part = landing._buffer(job.length)[:n]  # fetched again apart, checked, written
+            redo = landing.RangeJob(job.key, ref, job.tmp, off, n, False, False)
+            more, again = landing._write_parts(store, redo, fd, part, 0)
+            extra, bad = extra + more, bad + again
+        return landing.Landed(got + extra, False, bad, 0)
+    import pipeline.install.fetcher
+    landing.land_range = pipeline.install.fetcher.land_range = land_range
 s5 = __import__("os").environ.get("INF2_BENCH_S5CMD")
 if s5:  # experiment (--pulls lean-s5cmd): s5cmd lands every file, and each file's parts are
     # checked as s5cmd reports it landed (in CHECKERS threads; a bad part fetched again by
@@ -423,10 +496,12 @@ VARIANTS = {
     "lean-lowat": "SO_RCVLOWAT 1 MiB (experiment)",
     "lean-sparse": "sparse temporary files, not preallocated (experiment)",
     "lean-s5cmd": "s5cmd lands, parts checked as each file lands (experiment)",
+    "lean-stream": "each range streamed in 1 MiB chunks, hashed and written in cache (experiment)",
     # and lean-procsN: N worker processes; lean-s5cmdN: s5cmd's --numworkers N, so that
     # files land (and are checked) one batch after another, not all at the end (experiments)
 }
 LOWAT = 1 << 20
+STREAM_CHUNK = 1 << 20  # lean-stream's buffer: a core's L2 holds it
 
 
 def _gets_and_version(gets: str) -> tuple[str, str]:
@@ -503,6 +578,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 experiment = {"INF2_BENCH_PROCESSES": gets.removeprefix("lean-procs")}
             if gets.endswith("-sparse"):
                 experiment = {"INF2_BENCH_SPARSE": "1"}
+            if gets.endswith("-stream"):
+                experiment = {"INF2_BENCH_STREAM": str(STREAM_CHUNK)}
             if re.fullmatch(r"lean-s5cmd[0-9]*", gets):
                 experiment = {"INF2_BENCH_S5CMD": str(Path(args.s5cmd).resolve())}
                 if workers := gets.removeprefix("lean-s5cmd"):
