@@ -279,14 +279,16 @@ if chunk:  # experiment (--pulls lean-stream): each range streamed through one s
         hashers, have = {}, {}
         def sink(data, off):
             landing._pwrite(job.tmp, fd, data, off)
-            while data:
+            while data:  # the piece by the parts it holds
                 i = off // ref.part_size
-                end = min(len(data), ref.part_range(i)[0] + ref.part_range(i)[1] - off)
+                part_off, part_n = ref.part_range(i)
+                end = min(len(data), part_off + part_n - off)
                 hashers.setdefault(i, blake3.blake3(max_threads=1)).update(data[:end])
                 have[i] = have.get(i, 0) + end
                 data, off = data[end:], off + end
         def fetch():
-            hashers.clear(), have.clear()  # a retried range starts again
+            hashers.clear()  # a retried range starts again
+            have.clear()
             return store.read_range_into(job.key, job.start, landing._buffer(job.length))
         local.sink = sink
         try:
