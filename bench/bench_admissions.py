@@ -5,11 +5,13 @@ lock) and, with a stall budget, cuts a prefix of them by what their prefill call
 would cost (``placement.within_stall``). Named baseline, measured in the same run: the
 earlier costing, which costed each placement's prefix in turn (one costing per placement,
 each a quadratic split), against the current doubling then bisection. Both admit the same
-prefix here (checked). The engine runs over simulated slots (``bench/sim_device.py``: b32 ×
-s256, mixed calls up to 512 positions) with the start-up table of a b32_s256 bucket on an
-H100 (bench/RESULTS.md, twenty-fifth round, the `stall` server), 32 prompts of 20–149
-tokens waiting and nothing running, as at a closed loop's opening burst. No device: this
-is host time only.
+prefix here (checked). Also, same run: how many of the burst each budget admits when the
+queue is offered shortest prompt first (``serve --admit-order shortest``) against first
+come, first served, and the host time that takes. The engine runs over simulated slots
+(``bench/sim_device.py``: b32 × s256, mixed calls up to 512 positions) with the start-up
+table of a b32_s256 bucket on an H100 (bench/RESULTS.md, twenty-fifth round, the `stall`
+server), 32 prompts of 20–149 tokens waiting and nothing running, as at a closed loop's
+opening burst. No device: this is host time only.
 
     python bench/bench_admissions.py [--reps 200] [--json OUT]
 """
@@ -75,7 +77,9 @@ def _costs() -> PrefillCosts:
     return PrefillCosts(table, step=STEP * MS, mixed={k: v * MS for k, v in MIXED.items()})
 
 
-async def _admissions(budget: float | None, reps: int, seed: int) -> tuple[list[float], list[int]]:
+async def _admissions(
+    budget: float | None, reps: int, seed: int, order: str = "fcfs"
+) -> tuple[list[float], list[int]]:
     timings = Timings(prefill_batch=32)
     slots = SimSlots(B, Device(), timings, 1000)
     model = SimpleNamespace(slots=lambda b: slots, eos_token_ids=())
@@ -89,6 +93,7 @@ async def _admissions(budget: float | None, reps: int, seed: int) -> tuple[list[
         call_costs={B: costs},
         prefill_costs={B: costs},
         prefill_stall=budget,
+        admit_order=order,
     )
     rng = random.Random(seed)
     seconds, admitted = [], []
@@ -124,6 +129,9 @@ def run(reps: int) -> dict:
         row["admitted_median"] = statistics.median(row["bisection"]["admitted"])
         row["speedup"] = row["per_placement"]["median_us"] / row["bisection"]["median_us"]
         rows.append(row)
+        s, n = asyncio.run(_admissions(budget_ms * MS, reps, seed=0, order="shortest"))
+        row["shortest"] = {"median_us": statistics.median(s) * 1e6}
+        row["shortest_admitted_median"] = statistics.median(n)
         for name in ("per_placement", "bisection"):
             del row[name]["admitted"]
     plain, _ = asyncio.run(_admissions(None, reps, seed=0))
@@ -146,7 +154,8 @@ def main() -> None:
             f"budget {r['budget_ms']:g} ms: {r['admitted_median']:g} of 32 admitted; "
             f"per placement {r['per_placement']['median_us']:.0f} µs, bisection "
             f"{r['bisection']['median_us']:.0f} µs: {r['speedup']:.2f}× "
-            f"(same prefixes: {r['same_prefixes']})"
+            f"(same prefixes: {r['same_prefixes']}); shortest first "
+            f"{r['shortest_admitted_median']:g} of 32 in {r['shortest']['median_us']:.0f} µs"
         )
     print(f"no budget (the count alone): {out['no_budget_median_us']:.0f} µs")
     if args.json:

@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         "print(info['AOTI_CPU_ISA'], time.perf_counter() - t)\n"
     )
     ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    words = ran.stdout.split() if ran.returncode == 0 else []
-    isa, seconds = [*words, "?", "nan"][:2]
+    # the last line is the ISA (one name or several, e.g. "AVX512 AVX512_VNNI" on the H100
+    # host, 2026-12-07) and the seconds
+    words = ran.stdout.strip().splitlines()[-1].split() if ran.returncode == 0 else []
+    isa, seconds = (" ".join(words[:-1]), words[-1]) if len(words) > 1 else ("?", "nan")
     steps[f"device information, skipped by the loads ({isa})"] = float(seconds)
     after = {name: _count(f) for name, f in _folders().items()}
 

@@ -458,6 +458,7 @@ def test_reading_weights_tells_a_damaged_file_from_the_machine(tmp_path, error, 
             ("--prefill-stall", v, "not auto, off or milliseconds from 0 to 1000")
             for v in ("-0.1", "long", "1001")
         ],
+        ("--admit-order", "lifo", "unknown"),
     ],
 )
 def test_serve_policy_values_are_checked_before_the_release(tmp_path, flag, value, why):

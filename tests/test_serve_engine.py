@@ -35,8 +35,10 @@ from pipeline.server.metrics import Metrics
 from pipeline.server.placement import (
     BucketSlots,
     Placement,
+    admission_order,
     cheapest_prefills,
     merged_prefills,
+    passed_over,
     place,
     within_stall,
 )
@@ -778,6 +780,84 @@ def test_prefill_stall_bounds_an_iterations_admissions_by_their_cost():
 
     assert first_steps(prefill_stall=2e-3) == [3, 4, 7]
     assert first_steps() == [8, 8, 8]
+
+
+def test_admission_order_shortest_first_and_the_passed_over_ahead_as_they_came():
+    lengths = [40, 9, 30, 2, 9, 50]
+    assert admission_order(lengths, [False] * 6, "fcfs") == [0, 1, 2, 3, 4, 5]
+    assert admission_order(lengths, [False] * 6, "shortest") == [3, 1, 4, 2, 0, 5]  # ties stay
+    # passed over once: ahead of every other, oldest first, whatever their lengths
+    passed = [False, False, True, False, False, True]
+    assert admission_order(lengths, passed, "shortest") == [2, 5, 3, 1, 4, 0]
+    assert admission_order(lengths, passed, "fcfs") == [0, 1, 2, 3, 4, 5]
+    assert admission_order([], [], "shortest") == []
+    with pytest.raises(ValueError, match="one of fcfs, shortest"):
+        admission_order(lengths, passed, "lifo")
+    # passed over: left waiting while a later one went in
+    assert passed_over({3, 1}, 6) == [0, 2]
+    assert passed_over({0, 1}, 6) == []  # the oldest went in: nobody overtaken
+    assert passed_over(set(), 6) == []
+
+
+@pytest.mark.parametrize("order", ["fcfs", "shortest"])
+def test_shortest_first_admits_short_prompts_ahead_and_the_overtaken_next(order):
+    """max_prefills 2; two long prompts, then two short ones wait at once. Shortest first:
+    the short ones go in first, and the long ones, passed over, go in at the next iteration
+    ahead of a short prompt that arrived meanwhile (none is overtaken twice); first come,
+    first served: as they came. Every answer is the prompt's alone."""
+    m = FakeModel()
+    a, b = request(range(100, 110), 3), request(range(200, 209), 3)
+    c, d = request([30, 31], 3), request([40, 41, 42], 3)
+    e = request([50, 51], 3)
+    gate = m.hold_step(1)
+
+    async def body(h: Harness):
+        for r in (a, b, c, d):
+            h.engine.submit(r)
+        h.start()
+        await h.reached(gate)  # the first iteration's step: its admissions are made
+        h.engine.submit(e)
+        gate.open()
+        return [await h.result(r) for r in (a, b, c, d, e)]
+
+    out = serve(body, [Bucket(8, 32)], m, start=False, max_prefills=2, admit_order=order)
+    for r, (tokens, end) in zip((a, b, c, d, e), out, strict=True):
+        assert tokens == alone(r.prompt, 3) and end == Finished("length")
+    first = [p for _, _, p in m.prefilled()]
+    want = (a, b, c, d, e) if order == "fcfs" else (c, d, a, b, e)
+    assert first == [tuple(r.prompt) for r in want]
+
+
+def test_shortest_first_under_a_prefill_stall_admits_more_of_a_burst():
+    """A budget of 2.5 ms (call_s; at most 3 prompts a call): four long prompts arrived just
+    before four short ones. First come, first served: three long ones first (one call,
+    1.768 ms; the fourth's own call would add 1.256), then the fourth long one and three
+    short ones, then the last. Shortest first: the four short ones first (two calls, 2.128
+    ms; a long one would add 1.256), then the long ones, passed over, three and one."""
+    b = Bucket(8, 128)
+
+    def first_steps(order: str) -> list[int]:
+        m = BatchedModel(prefill_lengths={b: (16, 64)})
+        long = [request(list(range(3 + i, 103 + i)), 4) for i in range(4)]
+        short = [request([10 + i, 3], 4) for i in range(4)]
+        rs = [*long, *short]
+
+        async def body(h):
+            for r in rs:
+                h.engine.submit(r)
+            h.start()
+            return [await h.result(r) for r in rs]
+
+        out = serve(
+            body, [b], m, start=False, max_prefills=8, call_costs={b: call_s},
+            prefill_stall=2.5e-3, admit_order=order,
+        )  # fmt: skip
+        for r, (tokens, end) in zip(rs, out, strict=True):
+            assert tokens == alone(r.prompt, 4) and end == Finished("length")
+        return [len(rows) for rows in m.steps()[:3]]
+
+    assert first_steps("fcfs") == [3, 7, 8]
+    assert first_steps("shortest") == [4, 7, 8]
 
 
 def test_prefill_stall_auto_is_ten_of_the_slowest_step_and_none_without_timings():

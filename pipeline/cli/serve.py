@@ -42,6 +42,17 @@ def serve(
             "resident step; off: --max-prefills alone (the default).",
         ),
     ] = "off",
+    admit_order: Annotated[
+        str,
+        typer.Option(
+            "--admit-order",
+            metavar="fcfs|shortest",
+            help="The order waiting requests are admitted in: fcfs, as they came (the "
+            "default); shortest: shortest prompt first, so an iteration's prefill stall "
+            "admits more first tokens, and a request passed over once goes before every "
+            "later one (none is overtaken in two iterations).",
+        ),
+    ] = "fcfs",
     spill: Annotated[
         bool,
         typer.Option(
@@ -178,10 +189,14 @@ def serve(
     merge = _prefill_merge(prefill_merge)
     lead = _milliseconds("--launch-lead", launch_lead, 50, "0.5")
     stall = _milliseconds("--prefill-stall", prefill_stall, 1000, "12")
-    from pipeline.server.placement import FOLD
+    from pipeline.server.placement import ADMIT_ORDERS, FOLD
 
     if fold_prompts not in FOLD:
         raise InputError(f"--fold-prompts {fold_prompts}", "unknown", f"use {', '.join(FOLD)}")
+    if admit_order not in ADMIT_ORDERS:
+        raise InputError(
+            f"--admit-order {admit_order}", "unknown", f"use {' or '.join(ADMIT_ORDERS)}"
+        )
     if api_key is not None and not api_key.strip():
         raise InputError(
             "--api-key (or INF2_SERVE_API_KEY)",
@@ -210,6 +225,7 @@ def serve(
             max_queue=max_queue,
             max_prefills=max_prefills,
             prefill_stall=stall,
+            admit_order=admit_order,
             spill=spill,
             overflow=overflow,
             widest_from_idle=widest_from_idle,

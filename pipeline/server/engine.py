@@ -5,7 +5,8 @@ model thread (``run``) loops, because a runner is not re-entrant. Every iteratio
 
 1. retires rows whose client left (or whose stop string matched), freeing their slots;
 2. admits waiting requests into free slots (``placement.place``: first come, first served,
-   at most ``max_prefills``, within ``prefill_stall``) and launches their prefills
+   or shortest prompt first with ``admit_order``, at most ``max_prefills``, within
+   ``prefill_stall``) and launches their prefills
    (``placement.prefill_calls``), but for the prompts of each bucket that may ride in the
    bucket's step, packed into one stream (``placement.fold_prompts``);
 3. launches one decode step for every bucket with rows that have tokens to launch, with
@@ -60,7 +61,13 @@ from pipeline.server.jobs import (
     put_events,
 )
 from pipeline.server.pacing import Pacer
-from pipeline.server.placement import BucketSlots, place, within_stall
+from pipeline.server.placement import (
+    BucketSlots,
+    admission_order,
+    passed_over,
+    place,
+    within_stall,
+)
 
 log = logging.getLogger("inf2_pipeline.serve")
 
@@ -92,6 +99,7 @@ class Engine(Calls):
         fold: str = "auto",
         call_costs: Mapping[Bucket, Any] | None = None,
         prefill_stall: float | None = None,
+        admit_order: str = "fcfs",
         batching: str = "iteration",
         overlap: bool = True,
         hooks: Hooks | None = None,
@@ -107,6 +115,8 @@ class Engine(Calls):
         ``prefill_stall``: seconds an iteration's admissions may add to it (by ``call_costs``:
         their prefill calls, or the mixed call beyond the step for those folded), within
         ``max_prefills`` (``placement.within_stall``; None: the count alone).
+        ``admit_order``: the order waiting requests are offered in (``placement.
+        admission_order``: ``fcfs``, or ``shortest`` prompt first, none overtaken twice).
         ``deliver``: where each batch of events goes (default: the requests' queues, on
         ``loop``; the engine's own process sends them to the server's instead). ``pacer``:
         under overlap, hold each launch until the device's queued work is about to end
@@ -130,6 +140,8 @@ class Engine(Calls):
         self.fold = fold
         self.call_costs = dict(call_costs or {})
         self.prefill_stall = prefill_stall
+        admission_order([], [], admit_order)  # an unknown order fails here, not mid-serve
+        self.admit_order = admit_order
         self.batching = batching
         self.overlap = overlap
         self.hooks: Any = hooks or NoHooks()
@@ -286,7 +298,11 @@ class Engine(Calls):
         """Place waiting requests (under the lock) and take them off the queue."""
         if not self._queue:
             return []
-        waiting = list(self._queue)
+        queue = list(self._queue)  # oldest first
+        order = admission_order(
+            [len(r.prompt) for r in queue], [r.passed_over for r in queue], self.admit_order
+        )
+        waiting = [queue[i] for i in order]
         state = [
             BucketSlots(
                 r.bucket, [s for s in range(r.bucket.batch) if s not in r.rows], len(r.rows)
@@ -314,6 +330,9 @@ class Engine(Calls):
 
             keys = [p.bucket for p in placed]
             placed = placed[: within_stall(keys, stall, self.prefill_stall)]
+        if self.admit_order != "fcfs":  # reordered: who was overtaken goes first from now on
+            for i in passed_over({order[p.index] for p in placed}, len(queue)):
+                queue[i].passed_over = True
         now = time.monotonic()
         out = []
         for p in placed:

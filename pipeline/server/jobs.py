@@ -68,6 +68,7 @@ class Request:
     launched: int = 0
     produced: int = 0
     last_token: float = 0.0
+    passed_over: bool = False  # left waiting while a later request was admitted
 
 
 class Hooks(Protocol):

@@ -31,6 +31,9 @@ class ServeOptions:
     # the prefill work an iteration may admit, by the start-up timings: "auto" (STALL_STEPS
     # of the slowest resident step), seconds, or "off" (max_prefills alone)
     prefill_stall: float | str = "off"
+    # the order waiting requests are offered to placement: "fcfs", or "shortest" prompt
+    # first (a request passed over once goes first from then on)
+    admit_order: str = "fcfs"
     spill: bool = True  # a request may take a free slot of a longer bucket rather than wait
     overflow: bool = False  # open a smaller idle bucket beside a full running one
     widest_from_idle: bool = False  # several waiting, nothing running: open the widest
@@ -171,6 +174,7 @@ def make_engine(
         fold=o.fold_prompts,
         call_costs=costs,
         prefill_stall=stall_budget(o.prefill_stall, steps, costs) if stall else None,
+        admit_order=o.admit_order,
         batching=o.batching,
         overlap=o.overlap,
         hooks=hooks,
