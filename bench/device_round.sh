@@ -115,6 +115,17 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
 # idle process holding a CUDA context keeps the driver up for the call's servers without
 # changing a setting; it goes with the script.
 nvidia-smi --query-gpu=name,persistence_mode --format=csv,noheader >"$R/gpu.txt" 2>&1
+# How fast this host runs single-threaded Python, and how loaded it is: the twenty-sixth
+# round's host ran the pull's imports 1.8-2.3x slower than others and its server's event
+# loop was late by tens of ms, so rounds on different hosts are compared by this line too
+# (the 2-core VM: 0.18 s).
+python3 -c "
+import os, time
+runs = []
+for _ in range(3):
+    t = time.perf_counter(); sum(range(10_000_000)); runs.append(time.perf_counter() - t)
+print(f'host python: sum(range(1e7)) best of 3 {min(runs):.3f} s; load average', os.getloadavg())
+" >>"$R/gpu.txt" 2>&1
 python3 -c "
 import os, sys, time; t = time.perf_counter()
 import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()
