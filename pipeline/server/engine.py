@@ -299,10 +299,12 @@ class Engine(Calls):
         if not self._queue:
             return []
         queue = list(self._queue)  # oldest first
-        order = admission_order(
-            [len(r.prompt) for r in queue], [r.passed_over for r in queue], self.admit_order
-        )
-        waiting = [queue[i] for i in order]
+        waiting, order = queue, range(len(queue))  # fcfs: as it is, nobody to mark
+        reordered = self.admit_order != "fcfs"
+        if reordered:
+            lengths, passed = [len(r.prompt) for r in queue], [r.passed_over for r in queue]
+            order = admission_order(lengths, passed, self.admit_order)
+            waiting = [queue[i] for i in order]
         state = [
             BucketSlots(
                 r.bucket, [s for s in range(r.bucket.batch) if s not in r.rows], len(r.rows)
@@ -330,7 +332,7 @@ class Engine(Calls):
 
             keys = [p.bucket for p in placed]
             placed = placed[: within_stall(keys, stall, self.prefill_stall)]
-        if self.admit_order != "fcfs":  # reordered: who was overtaken goes first from now on
+        if reordered:  # who was overtaken goes first from now on
             for i in passed_over({order[p.index] for p in placed}, len(queue)):
                 queue[i].passed_over = True
         now = time.monotonic()
