@@ -67,6 +67,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(HERE))  # device_timeline
 
+import host_probe  # noqa: E402
+
 from pipeline._files import atomic_write_text  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
 from pipeline.install.installed import find_release  # noqa: E402
@@ -171,6 +173,8 @@ def replay(
     sampling: dict[str, float] | None = None,
     arrivals: list[float] | None = None,
     procs: int = 1,
+    cpus: set[int] | None = None,
+    usage: dict[str, float] | None = None,
 ) -> tuple[float, list[Answer | None], list[str]]:
     """Send every request from ``concurrency`` client threads, each on its own keep-alive
     connection, streaming; returns (seconds, answers in request order, errors).
@@ -181,18 +185,24 @@ def replay(
     Without: closed loop, each thread sends its next request when its last one ends.
     ``procs``: the threads spread over that many forked processes, so the clients' own
     turns for one GIL do not add to the times they stamp (perf_counter is the system's
-    monotonic clock, the same in every process).
+    monotonic clock, the same in every process). ``cpus``: the client processes run on
+    these CPUs only (``--client-cpus``). ``usage``: filled with the clients' CPU seconds and
+    involuntary switches (bench/host_probe.py).
 
     While streaming, a thread only stamps each ``data:`` line with its arrival time; the
     JSON is parsed after the clock stops, so parsing does not delay the other threads."""
     procs = max(1, min(procs, concurrency))
     send = functools.partial(_clients, url, name, work, timeout, sampling, arrivals)
     if procs == 1:
+        u0 = host_probe.own_usage()
         start = time.perf_counter()
         raw, errors = send(concurrency, start)
         wall = time.perf_counter() - start
+        spent = {k: v - u0[k] for k, v in host_probe.own_usage().items()}
     else:
-        wall, raw, errors = _client_procs(send, len(work), concurrency, procs, timeout)
+        wall, raw, errors, spent = _client_procs(send, len(work), concurrency, procs, timeout, cpus)
+    if usage is not None:
+        usage.update(spent)
     answers: list[Answer | None] = []
     for i in range(len(work)):
         item = raw.get(i)
@@ -326,11 +336,12 @@ def _client_procs(
     concurrency: int,
     procs: int,
     timeout: float,
-) -> tuple[float, dict[int, Raw], list[str]]:
+    cpus: set[int] | None = None,
+) -> tuple[float, dict[int, Raw], list[str], dict[str, float]]:
     """``send`` (``_clients`` bound to the replay) in ``procs`` forked processes sharing one
     counter of the ``requests`` handed out (so each sends the next when one of its threads
     frees, as in one process). They are forked first and started together, so the clock
-    does not count the forks."""
+    does not count the forks. Also returns their CPU seconds and involuntary switches."""
     ctx = multiprocessing.get_context("fork")
     counter = ctx.Value("i", 0)
     start = ctx.Value("d", 0.0)
@@ -344,9 +355,13 @@ def _client_procs(
         return i if i < requests else None
 
     def child(threads_n: int) -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         go.wait()
+        u0 = host_probe.own_usage()
         got = send(threads_n, start.value, take)
-        results.put((time.perf_counter(), got))  # when its last thread ended
+        spent = {k: v - u0[k] for k, v in host_probe.own_usage().items()}
+        results.put((time.perf_counter(), got, spent))  # when its last thread ended
 
     shares = [concurrency // procs + (k < concurrency % procs) for k in range(procs)]
     kids = [ctx.Process(target=child, args=(n,), daemon=True) for n in shares]
@@ -355,20 +370,23 @@ def _client_procs(
     raw: dict[int, Raw] = {}
     errors: list[str] = []
     end = 0.0
+    usage = {"cpu_s": 0.0, "involuntary": 0.0}
     try:
         start.value = time.perf_counter()
         go.set()
         for _ in kids:  # read before join: a child blocks on a full queue until read
-            t, (got, errs) = results.get(timeout=timeout * requests + 60)
+            t, (got, errs), spent = results.get(timeout=timeout * requests + 60)
             end = max(end, t)
             raw.update(got)
             errors += errs
+            for k, v in spent.items():
+                usage[k] += v
     finally:
         for k in kids:
             k.join(5)
             if k.is_alive():
                 k.kill()
-    return end - start.value, raw, errors
+    return end - start.value, raw, errors, usage
 
 
 # --- the server's own counts -------------------------------------------------------------------
@@ -907,14 +925,17 @@ def serve_ways(
     logfile = tmp / f"serve-{batching}.log"
     log(f"starting serve {' '.join(extra)}")
     timeline = None
-    env, entry = None, None
+    env, entry, first = None, None, ""
     if args.device_timeline:  # every slot call timed on the device: bench/device_timeline.py
         timeline = args.device_timeline / f"{batching}-{time.strftime('%H%M%S')}"
         timeline.mkdir(parents=True)
         env = {"INF2_DEVICE_TIMELINE": str(timeline)}
-        main = "import device_timeline as t; t.install(); from pipeline.cli import main; main()"
-        entry = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r}); " + main]
-        entry.append("serve")
+        first = f"import sys; sys.path.insert(0, {str(HERE)!r}); "
+        first += "import device_timeline as t; t.install(); "
+    if args.server_cpus:  # before any fork: the engine's process and the fronts inherit it
+        first = f"import os; os.sched_setaffinity(0, {sorted(args.server_cpus)!r}); " + first
+    if first:
+        entry = [sys.executable, "-c", first + "from pipeline.cli import main; main()", "serve"]
     server = ServerProcess(release, logfile, *extra, env=env, entry=entry)
     measured: list[tuple[str, int, int, dict[str, Any], float, float]] = []
     ready = False
@@ -938,14 +959,31 @@ def serve_ways(
                 label = way if procs == 1 or conc == 1 else f"{way}/{procs}p"
                 before = scrape(url)
                 sampling = SAMPLED if way == "sampled" else None
-                t0 = time.monotonic()
                 due = None  # closed loop, or open at --rate (the lone request stays alone)
                 if args.rate and way != "lone":
                     due = poisson_arrivals(len(work), args.rate, args.seed)
+                clients: dict[str, float] = {}
+                host0 = host_probe.snapshot(server.proc.pid)
+                t0 = time.monotonic()
                 wall, answers, errs = replay(
-                    url, name, work, conc, args.request_timeout, sampling, due, procs
+                    url,
+                    name,
+                    work,
+                    conc,
+                    args.request_timeout,
+                    sampling,
+                    due,
+                    procs,
+                    args.client_cpus,
+                    clients,
                 )
                 t1 = time.monotonic()
+                host = host_probe.delta(host0, host_probe.snapshot(server.proc.pid), t1 - t0)
+                host["clients"] = {
+                    "cpus": clients["cpu_s"] / (t1 - t0),
+                    "involuntary_per_s": clients["involuntary"] / (t1 - t0),
+                }
+                log(f"  {label}: " + host_probe.summary(host))
                 after = scrape(url)
                 # sampled answers are draws, not the greedy answer alone: not compared
                 truth = None if sampling else alone
@@ -953,6 +991,7 @@ def serve_ways(
                     work, truth, wall, answers, errs, server_figures(before, after, buckets), conc
                 )
                 figures["server_startup_s"] = startup
+                figures["host"] = host
                 if timeline is None:
                     keep(label, batching, conc, r, figures)
                 else:  # the device's account comes when the engine stops
@@ -1172,6 +1211,17 @@ def print_table(result: dict[str, Any]) -> None:
             f"  {name:<24} {r['concurrency']:>4}  server {server} (queue {queue}), admission "
             f"{admission}, written {written}, client {client}; loop lag {lag}"
         )
+    probed = [r for r in ways if r.get("host")]
+    if probed:
+        print(
+            "\nwhere the host's CPUs went in each way (bench/host_probe.py; CPUs = seconds a "
+            "second): the machine busy and stolen by the hypervisor; the front's event loop "
+            "on a CPU and runnable but waiting for one, and how often it was preempted; each "
+            "server process; the clients"
+        )
+    for r in probed:
+        name = labels.get(r["way"], r["way"])
+        print(f"  {name:<24} {r['concurrency']:>4}  {host_probe.summary(r['host'])[6:]}")
     timed = [r for r in ways if (r.get("device") or {}).get("calls")]
     if timed:
         print(
@@ -1218,6 +1268,21 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 # --- the run -------------------------------------------------------------------------------------
+
+
+def cpu_list(spec: str) -> set[int]:
+    """'0-7' or '0,2,4-6' (taskset's list form) as a set of CPU numbers."""
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, dash, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi if dash else lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{spec!r}: CPU numbers and ranges, e.g. 0-7,12") from None
+    bad = cpus - os.sched_getaffinity(0)
+    if not cpus or bad:
+        raise argparse.ArgumentTypeError(f"{spec!r}: not CPUs this process may use")
+    return cpus
 
 
 def main() -> None:
@@ -1305,6 +1370,17 @@ def main() -> None:
         action="append",
         default=[],
         help="an argument for both servers, e.g. --serve-arg=--max-prefills=8 (repeatable)",
+    )
+    ap.add_argument(
+        "--server-cpus",
+        type=cpu_list,
+        help="CPUs the server's processes run on, e.g. 0-7 (as on a pod, apart from its "
+        "clients; default: any)",
+    )
+    ap.add_argument(
+        "--client-cpus",
+        type=cpu_list,
+        help="CPUs the client processes run on, e.g. 8-15 (with --client-procs > 1)",
     )
     ap.add_argument("--ready-timeout", type=float, default=900, help="s for a server to be ready")
     ap.add_argument("--request-timeout", type=float, default=600, help="s of socket silence")

@@ -14,6 +14,8 @@
 #   300 (0.45 s of replay) its p99 was the opening burst's and its echo, not a steady state);
 #   CLIENT_PROCS: the replays' client processes (default 4: with one, its GIL added 15-26 ms
 #   to the client's p99 TTFT beyond the server's write, twenty-third round);
+#   serve256pinned: serve256 with the server on SERVER_CPUS (0-7), the clients on CLIENT_CPUS
+#   (8-15); ROUNDS256: the s256 replays' rounds (default 1);
 #   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more,
 #   and firstload (bench/profile_first_load.py: a process's first package load, step by step);
 #   each call first times its first CUDA context and keeps one idle process holding it (gpu.txt);
@@ -70,15 +72,23 @@ stage_serve2048() {
     --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch "${more2048[@]}" \
     --json "$R/serve-s2048.json"
 }
-stage_serve256() {
+serve256() {  # stage name, its JSON's name, then more bench_serve arguments
   # at 2000 requests the default ways (five servers, ~45-55 s each to start, the lone way
   # ~35 s) and the peer (~290 tok/s: ~95 s) need most of a call: begun later, it is cut
   # (NEED256 overrides: fewer ways, or servers that start fast, need less)
+  local name=$1 json=$2; shift 2
   local need=250; [ ${#PEER[@]} -gt 0 ] && need=450; need=${NEED256:-$need}
-  stage serve256 "$need" python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-2000}" --concurrency 32 \
-    --client-procs "${CLIENT_PROCS:-4}" \
+  stage "$name" "$need" python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-2000}" --concurrency 32 \
+    --client-procs "${CLIENT_PROCS:-4}" --rounds "${ROUNDS256:-1}" \
     --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${more256[@]}" "${PEER[@]}" \
-    --json "$R/serve-s256.json"
+    "$@" --json "$R/$json.json"
+}
+stage_serve256() { serve256 serve256 serve-s256; }
+# the same with the server's processes and the clients on CPUs of their own (SERVER_CPUS,
+# CLIENT_CPUS), as on a pod whose clients are other machines: whether the front's late loop
+# (twenty-sixth round) was the clients' doing
+stage_serve256pinned() {
+  serve256 serve256pinned serve-s256-pinned --server-cpus "${SERVER_CPUS:-0-7}" --client-cpus "${CLIENT_CPUS:-8-15}"
 }
 stage_serve256open() {  # open loop: Poisson arrivals at each of RATES256 requests a second
   local r

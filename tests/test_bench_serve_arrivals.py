@@ -5,8 +5,10 @@ answers one token after a fixed delay, so what is checked is the client's clock,
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import os
 import sys
 import threading
 import time
@@ -98,3 +100,32 @@ def test_client_processes_send_every_request_once_and_keep_the_clock(stub_url):
     assert all(a is not None and a.ids == [7] and a.ttft >= DELAY for a in answers)
     assert all(t >= before + d for t, d in zip(sorted(_Stub.sent), due, strict=True))
     assert wall >= 0.6 + DELAY
+
+
+def test_client_processes_run_on_the_cpus_given_and_report_what_they_used(stub_url):
+    """``--client-cpus``: each client process pinned before it sends (the stub records the
+    CPUs its handler's process may use: this one's, so the pinning is read from the usage's
+    side instead); the clients' CPU seconds come back summed over the processes."""
+    cpu = min(os.sched_getaffinity(0))
+    usage: dict[str, float] = {}
+    work = [([1, i], 1) for i in range(4)]
+    _, answers, errors = bench_serve.replay(
+        stub_url, "m", work, 2, 10.0, procs=2, cpus={cpu}, usage=usage
+    )
+    assert not errors and all(a is not None for a in answers)
+    assert usage["cpu_s"] > 0 and usage["involuntary"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "cpus"), [("0", {0}), ("0-1", {0, 1}), ("1,0", {0, 1}), ("0,0-0", {0})]
+)
+def test_cpu_lists_read_as_taskset_writes_them(spec, cpus):
+    if not cpus <= os.sched_getaffinity(0):
+        pytest.skip("this machine may not use those CPUs")
+    assert bench_serve.cpu_list(spec) == cpus
+
+
+@pytest.mark.parametrize("spec", ["", "a-b", "0-", "99999"])
+def test_a_cpu_list_that_is_not_one_or_not_ours_is_refused(spec):
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench_serve.cpu_list(spec)
