@@ -22,6 +22,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import host_probe  # noqa: E402
 from bench_serve import (  # noqa: E402
     TRACES,
     _ms,
@@ -111,14 +113,22 @@ def run_way(
         replay(url, model.dir.name, work[: args.concurrency], args.concurrency, 60)  # warm
         before = scrape(url)
         due = poisson_arrivals(len(work), args.rate, args.seed) if args.rate else None
+        host0, t0 = host_probe.snapshot(server.proc.pid), time.monotonic()
         wall, answers, errors = replay(
             url, model.dir.name, work, args.concurrency, 120, arrivals=due
         )
+        host = host_probe.delta(host0, host_probe.snapshot(server.proc.pid), time.monotonic() - t0)
         after = scrape(url)
     busy = metric(after, BUSY) - metric(before, BUSY)
     server_side = server_figures(before, after, [b.name for b in model.buckets])
     figures = way_figures(work, None, wall, answers, errors, server_side, args.concurrency)
-    return {"flags": flags, **figures, "device_busy_s": busy, "device_busy_share": busy / wall}
+    return {
+        "flags": flags,
+        **figures,
+        "device_busy_s": busy,
+        "device_busy_share": busy / wall,
+        "host": host,
+    }
 
 
 def _line(fig: dict[str, Any], ceiling_s: float, tokens: int) -> str:
@@ -137,6 +147,7 @@ def _line(fig: dict[str, Any], ceiling_s: float, tokens: int) -> str:
         f"({fig['prefills_folded']} folded), model thread s: "
         + " ".join(f"{k} {v:.2f}" for k, v in e.items())
         + (f", errors {fig['errors']}" if fig["errors"] else "")
+        + f"; {host_probe.summary(fig.get('host'))}"
     )
 
 
