@@ -410,7 +410,9 @@ ROUND_FIGURES = (
     "server_ttft_p99_s",
     "server_queue_p99_s",
     "server_loop_lag_p99_s",
+    "server_written_p99_s",
     "answers_differing_from_alone",
+    "host",
 )
 
 

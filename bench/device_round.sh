@@ -7,7 +7,7 @@
 #   WAYS2048, WAYS256: bench_serve's --ways for the two replays; ARGS2048, ARGS256: more
 #   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'"
 #   (default: the nofold variant, serve --fold-prompts off, and for s256 also onebyone,
-#   serve --no-coalesce);
+#   serve --no-coalesce, and front1, serve --http-workers 1);
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
 #   serve256open is the s256 release at open-loop Poisson rates (RATES256, default 400/s;
 #   OPEN_REQUESTS requests, default 1500; REQUESTS256: the closed loop's, default 2000: with
@@ -37,11 +37,13 @@ PEER=(--peer peers/hf-continuous-batching/peer_serve.py --trace peers/AzureLLMIn
 [ -n "${NO_PEER:-}" ] && PEER=()  # NO_PEER=1: the serve256 stage without the peer
 # by default both replays also run serve without prompts folded into steps (the mixed
 # graphs' comparison in the same run), and the s256 replay serve with one event per token
-# (--no-coalesce: the baseline of coalescing, the default since 2026-12-06); ARGS2048='' or
-# ARGS256='' leaves them out
+# (--no-coalesce: the baseline of coalescing, the default since 2026-12-06) and with one HTTP
+# process (--http-workers 1: the baseline of auto, the default since 2026-12-07);
+# ARGS2048='' or ARGS256='' leaves them out
 NOFOLD="--variant 'nofold=--fold-prompts off'"
 ONEBYONE="--variant 'onebyone=--no-coalesce'"
-eval "more2048=(${ARGS2048-$NOFOLD})"; eval "more256=(${ARGS256-$NOFOLD $ONEBYONE})"
+FRONT1="--variant 'front1=--http-workers 1'"
+eval "more2048=(${ARGS2048-$NOFOLD})"; eval "more256=(${ARGS256-$NOFOLD $ONEBYONE $FRONT1})"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 # Each stage ends with pkill -f "from pipeline.cli import main" (servers it started): a device
 # command line holding that text is killed with them, output and all (2026-12-06).

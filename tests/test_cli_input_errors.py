@@ -459,6 +459,7 @@ def test_reading_weights_tells_a_damaged_file_from_the_machine(tmp_path, error, 
             for v in ("-0.1", "long", "1001")
         ],
         ("--admit-order", "lifo", "unknown"),
+        *[("--http-workers", v, "is not a count of processes") for v in ("0", "-1", "many")],
     ],
 )
 def test_serve_policy_values_are_checked_before_the_release(tmp_path, flag, value, why):

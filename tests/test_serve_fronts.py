@@ -245,3 +245,50 @@ def test_http_workers_need_the_engines_process_in_one_line(release):
         and r.stderr.startswith("error: --http-workers 2: ")
         and (len(r.stderr.strip().splitlines()) == 1)
     ), r.stderr
+
+
+@pytest.mark.parametrize(
+    ("backend", "engine_process", "cpus", "fronts"),
+    [
+        ("cuda", True, 1, 1),
+        ("cuda", True, 2, 1),
+        ("cuda", True, 3.5, 1),
+        ("neuron", True, 4, 2),
+        ("cuda", True, 7, 3),
+        ("cuda", True, 16, 4),
+        ("neuron", True, 192, 4),
+        ("cpu", True, 16, 1),  # the model's own threads want the cores
+        ("cuda", False, 16, 1),  # fronts need the engine's own process
+    ],
+)
+def test_auto_http_workers_one_per_two_cpus_up_to_four(backend, engine_process, cpus, fronts):
+    from pipeline.server.fronts import auto_count
+
+    assert auto_count(backend, engine_process, cpus) == fronts
+
+
+def test_usable_cpus_are_capped_by_a_pods_cgroup_quota(tmp_path):
+    from pipeline.server.fronts import usable_cpus
+
+    mine = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path) == mine  # no cgroup files: affinity alone
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(tmp_path) == mine  # v2, no limit
+    (tmp_path / "cpu.max").write_text("50000 100000\n")  # limits.cpu: 500m
+    assert usable_cpus(tmp_path) == min(mine, 0.5)
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")  # v1, no limit
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cpus(tmp_path) == mine
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("25000\n")
+    assert usable_cpus(tmp_path) == min(mine, 0.25)
+
+
+def test_the_default_on_the_cpu_backend_is_one_front(release, tmp_path):
+    """``--http-workers auto`` (the default) on a cpu release: one HTTP process, as before
+    the default was auto (the ready line names more than one only when there are)."""
+    with ServerProcess(release, tmp_path / "serve.log") as s:
+        s.wait_ready(120)
+        ready = [ln for ln in s.output().splitlines() if ln.startswith("ready:")]
+    assert ready and "HTTP processes in front" not in ready[0]

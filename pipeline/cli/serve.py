@@ -158,15 +158,15 @@ def serve(
         ),
     ] = True,
     http_workers: Annotated[
-        int,
+        str,
         typer.Option(
             "--http-workers",
-            min=1,
             help="HTTP processes in front of the one engine, sharing the port: each streams "
             "its own clients' tokens, so the SSE writes of many streams use more than one "
-            "core. Their metrics are summed at /metrics.",
+            "core. Their metrics are summed at /metrics. auto: one per two usable CPUs, "
+            "1 to 4 (1 on the cpu backend and with --no-engine-process).",
         ),
-    ] = 1,
+    ] = "auto",
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -189,6 +189,7 @@ def serve(
     merge = _prefill_merge(prefill_merge)
     lead = _milliseconds("--launch-lead", launch_lead, 50, "0.5")
     stall = _milliseconds("--prefill-stall", prefill_stall, 1000, "12")
+    workers = _http_workers(http_workers)
     from pipeline.server.placement import ADMIT_ORDERS, FOLD
 
     if fold_prompts not in FOLD:
@@ -216,7 +217,11 @@ def serve(
 
     keys = load_trust(trust)
     # a wrong path or an unsigned release fails now, in one line, before binding
-    open_installed(path, verify="size", trust=keys)
+    installed = open_installed(path, verify="size", trust=keys)
+    if workers is None:
+        from pipeline.server.fronts import auto_count
+
+        workers = auto_count(installed.manifest.backend, engine_process)
     run(
         ServeOptions(
             path,
@@ -238,10 +243,26 @@ def serve(
             overlap=overlap,
             launch_lead=lead,
             engine_process=engine_process,
-            http_workers=http_workers,
+            http_workers=workers,
             trust=keys,
         )
     )
+
+
+def _http_workers(value: str) -> int | None:
+    """``--http-workers``: a count from 1, or None for "auto" (``fronts.auto_count``, once
+    the release's backend is known)."""
+    from pipeline.errors import InputError
+
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise InputError(
+            f"--http-workers {value}",
+            "is not a count of processes",
+            "use auto, or a whole number from 1, e.g. --http-workers 4",
+        )
+    return int(value)
 
 
 def _milliseconds(flag: str, value: str, most: float, example: str) -> float | str:

@@ -26,12 +26,52 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from pipeline._procs import how_it_ended, killed_with_parent
 
 JOIN_S = 10.0  # after front 0 failed, how long the others may take to end
 METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+# ``--http-workers auto``'s most: on the 16-core H100 host 4 fronts kept each loop at
+# 23-25 % of a core at 12,300-12,500 tokens/s (one alone: 64-68 %), bench/RESULTS.md,
+# twenty-seventh round; more fronts only add processes
+AUTO_MOST = 4
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def usable_cpus(cgroup: Path = CGROUP) -> float:
+    """CPUs this process may use: its affinity, capped by a cgroup CPU quota (a pod's
+    ``limits.cpu``: v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``), which affinity does not
+    show."""
+    cpus: float = len(os.sched_getaffinity(0))
+    quota = None
+    with contextlib.suppress(OSError, ValueError):
+        q, period = (cgroup / "cpu.max").read_text().split()[:2]
+        quota = None if q == "max" else int(q) / int(period)
+    if quota is None:
+        with contextlib.suppress(OSError, ValueError):
+            q = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
+            period = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
+            quota = q / period if q > 0 and period > 0 else None
+    return min(cpus, quota) if quota else cpus
+
+
+def auto_count(backend: str, engine_process: bool, cpus: float | None = None) -> int:
+    """``--http-workers auto``: one front per two usable CPUs, 1 to ``AUTO_MOST``; one where
+    fronts cannot help or would take the model's CPUs.
+
+    Why more than one where cores allow: one front's event loop writes every stream's
+    events, ~65 % of a fast core at 12,000 tokens/s, so a host whose cores run Python
+    half as fast saturates it, and every first token waits behind that loop (the
+    twenty-sixth round's host: loop lag p99 11-37 ms; the twenty-seventh's, 2-5 ms).
+    Four fronts gave 1.01-1.03x the tokens/s and a TTFT p50 of 4.7 ms against 6.0-6.1
+    there. One on the cpu backend (the model's own threads want the cores; a test and
+    parity path) and without the engine's own process (which fronts need)."""
+    if backend == "cpu" or not engine_process:
+        return 1
+    cpus = usable_cpus() if cpus is None else cpus
+    return max(1, min(AUTO_MOST, int(cpus // 2)))
 
 
 @contextlib.contextmanager
