@@ -1223,7 +1223,7 @@ def print_table(result: dict[str, Any]) -> None:
         )
     for r in probed:
         name = labels.get(r["way"], r["way"])
-        print(f"  {name:<24} {r['concurrency']:>4}  {host_probe.summary(r['host'])[6:]}")
+        print(f"  {name:<24} {r['concurrency']:>4}  {host_probe.summary(r['host'], '')}")
     timed = [r for r in ways if (r.get("device") or {}).get("calls")]
     if timed:
         print(

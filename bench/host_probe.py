@@ -162,10 +162,10 @@ def own_usage() -> dict[str, float]:
     return {"cpu_s": r.ru_utime + r.ru_stime, "involuntary": float(r.ru_nivcsw)}
 
 
-def summary(d: dict[str, Any] | None) -> str:
+def summary(d: dict[str, Any] | None, label: str = "host: ") -> str:
     """One line for a way's log: the machine, the front's loop, the engine, the clients."""
     if not d:
-        return "host: not measured"
+        return label + "not measured"
     parts = []
     if d.get("machine_busy_cpus") is not None:
         parts.append(
@@ -186,4 +186,4 @@ def summary(d: dict[str, Any] | None) -> str:
         parts.append(
             f"clients {clients['cpus']:.2f} CPUs, {clients['involuntary_per_s']:.0f} preemptions/s"
         )
-    return "host: " + "; ".join(parts)
+    return label + "; ".join(parts)
