@@ -10,8 +10,10 @@
 #   serve --no-coalesce, and front1, serve --http-workers 1);
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
 #   serve256open is the s256 release at open-loop Poisson rates (RATES256, default 400/s;
-#   OPEN_REQUESTS requests, default 1500; REQUESTS256: the closed loop's, default 2000: with
-#   300 (0.45 s of replay) its p99 was the opening burst's and its echo, not a steady state);
+#   OPEN_REQUESTS requests, default 1500; REQUESTS256: the closed loop's, default 4000: with
+#   300 (0.45 s of replay) its p99 was the opening burst's and its echo, not a steady state,
+#   and at 2000 the burst's 32 requests are still 1.6 % of them, so the p99 is one of theirs
+#   (twenty-seventh round); LONE256: the lone way's, default 1000, ~17 s);
 #   CLIENT_PROCS: the replays' client processes (default 4: with one, its GIL added 15-26 ms
 #   to the client's p99 TTFT beyond the server's write, twenty-third round);
 #   serve256pinned: serve256 with the server on SERVER_CPUS (0-7), the clients on CLIENT_CPUS
@@ -75,12 +77,14 @@ stage_serve2048() {
     --json "$R/serve-s2048.json"
 }
 serve256() {  # stage name, its JSON's name, then more bench_serve arguments
-  # at 2000 requests the default ways (five servers, ~45-55 s each to start, the lone way
-  # ~35 s) and the peer (~290 tok/s: ~95 s) need most of a call: begun later, it is cut
-  # (NEED256 overrides: fewer ways, or servers that start fast, need less)
+  # at 4000 requests the default ways (six servers, ~10-15 s each to start since the
+  # twenty-sixth round, the lone way's 1000 ~17 s, the static way ~25 s) and the peer
+  # (~290 tok/s: ~190 s) need most of a call: begun later, it is cut (NEED256 overrides:
+  # fewer ways need less)
   local name=$1 json=$2; shift 2
   local need=250; [ ${#PEER[@]} -gt 0 ] && need=450; need=${NEED256:-$need}
-  stage "$name" "$need" python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-2000}" --concurrency 32 \
+  stage "$name" "$need" python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-4000}" --concurrency 32 \
+    --lone-requests "${LONE256:-1000}" \
     --client-procs "${CLIENT_PROCS:-4}" --rounds "${ROUNDS256:-1}" \
     --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${more256[@]}" "${PEER[@]}" \
     "$@" --json "$R/$json.json"
