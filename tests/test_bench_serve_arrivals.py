@@ -103,9 +103,7 @@ def test_client_processes_send_every_request_once_and_keep_the_clock(stub_url):
 
 
 def test_client_processes_run_on_the_cpus_given_and_report_what_they_used(stub_url):
-    """``--client-cpus``: each client process pinned before it sends (the stub records the
-    CPUs its handler's process may use: this one's, so the pinning is read from the usage's
-    side instead); the clients' CPU seconds come back summed over the processes."""
+    """``--client-cpus``: the clients' CPU seconds come back summed over the processes."""
     cpu = min(os.sched_getaffinity(0))
     usage: dict[str, float] = {}
     work = [([1, i], 1) for i in range(4)]
@@ -114,6 +112,23 @@ def test_client_processes_run_on_the_cpus_given_and_report_what_they_used(stub_u
     )
     assert not errors and all(a is not None for a in answers)
     assert usage["cpu_s"] > 0 and usage["involuntary"] >= 0
+
+
+def test_each_client_process_is_pinned_before_it_sends():
+    """Each client process runs on the CPUs given, read by the sender in that process (a
+    stand-in for ``_clients`` that answers every request it takes with its own affinity)."""
+    cpu = min(os.sched_getaffinity(0))
+
+    def send(threads_n, start, take):
+        raw = {}
+        while (i := take()) is not None:
+            raw[i] = (start, [(start, repr(sorted(os.sched_getaffinity(0))).encode())], start)
+        return raw, []
+
+    _, raw, errors, usage = bench_serve._client_procs(send, 6, 2, 2, 10.0, {cpu})
+    assert not errors and sorted(raw) == list(range(6))
+    assert {events[0][1] for _, events, _ in raw.values()} == {repr([cpu]).encode()}
+    assert set(usage) == {"cpu_s", "involuntary"}
 
 
 @pytest.mark.parametrize(
