@@ -16,7 +16,10 @@ baselines measured in the same run on the same endpoint:
   ``lean-procsN`` (the ranges landed by N forked worker processes, one GIL each),
   ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); ``lean-stream``
   (each range read 1 MiB at a time into one buffer per thread, each MiB hashed and written
-  while in cache; a part trusted once its digest matched, a bad one fetched again); and
+  while in cache; a part trusted once its digest matched, a bad one fetched again);
+  ``lean-splice`` (each 206 body moved socket → pipe → file by ``splice``, never into user
+  memory, then each part read back from the page cache into a 1 MiB buffer and hashed: fewer
+  trips through memory per byte; a bad or short part fetched again apart); and
   ``lean-s5cmd``: s5cmd lands every file and the pull checks each file's parts as s5cmd
   reports it landed (``INF2_BENCH_S5CMD_CHECKERS`` threads, ``INF2_BENCH_S5CMD_ARGS`` more
   s5cmd flags); ``lean-s5cmdN``, the same with s5cmd's ``--numworkers N`` (N files at a
@@ -78,15 +81,23 @@ http {{
   client_body_temp_path {root}/tmp; proxy_temp_path {root}/tmp; fastcgi_temp_path {root}/tmp;
   uwsgi_temp_path {root}/tmp; scgi_temp_path {root}/tmp;
   types {{ }} default_type application/octet-stream;
-  server {{ listen 127.0.0.1:{port} reuseport; root {root}/www; }}
+  server {{ listen 127.0.0.1:{port} reuseport{tls}; root {root}/www; }}
 }}
 """
+# --tls: the endpoint over TLS 1.3, as S3 itself is reached (a body then comes decrypted through
+# user memory in every client, and nginx cannot sendfile it)
+NGINX_TLS = """ ssl; ssl_certificate {cert}; ssl_certificate_key {key}; ssl_protocols TLSv1.3;
+  ssl_session_cache shared:TLS:10m"""
 
 
-def serve_root(nginx: str, root: Path) -> tuple[subprocess.Popen, int]:
-    """nginx serving ``root/www`` on a free loopback port, listening: (process, port)."""
+def serve_root(
+    nginx: str, root: Path, tls: tuple[Path, Path] | None = None
+) -> tuple[subprocess.Popen, int]:
+    """nginx serving ``root/www`` on a free loopback port, listening: (process, port); over
+    TLS with ``tls`` (certificate, key)."""
     port = free_port()
-    (root / "nginx.conf").write_text(NGINX_CONF.format(root=root, port=port))
+    on = NGINX_TLS.format(cert=tls[0], key=tls[1]) if tls else ""
+    (root / "nginx.conf").write_text(NGINX_CONF.format(root=root, port=port, tls=on))
     server = subprocess.Popen(
         [nginx, "-c", str(root / "nginx.conf"), "-p", str(root)],
         stderr=subprocess.DEVNULL,
@@ -94,6 +105,23 @@ def serve_root(nginx: str, root: Path) -> tuple[subprocess.Popen, int]:
     )
     _wait_listening(port)
     return server, port
+
+
+def tls_files(root: Path, given: Path | None) -> tuple[Path, Path]:
+    """(certificate, key) for the TLS endpoint: ``given``'s cert.pem and key.pem, else a
+    self-signed pair for 127.0.0.1 made by the openssl command in ``root``."""
+    if given is not None:
+        return given.resolve() / "cert.pem", given.resolve() / "key.pem"  # nginx runs elsewhere
+    if not shutil.which("openssl"):
+        sys.exit("error: --tls: no openssl command to make a certificate; pass --tls-dir")
+    cert, key = root / "cert.pem", root / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
 
 
 def free_port() -> int:
@@ -307,6 +335,128 @@ if chunk:  # experiment (--pulls lean-stream): each range streamed through one s
         return landing.Landed(got + extra, False, bad, 0)
     import pipeline.install.fetcher
     landing.land_range = pipeline.install.fetcher.land_range = land_range
+splice_pipe = int(__import__("os").environ.get("INF2_BENCH_SPLICE", "0"))
+if splice_pipe:  # experiment (--pulls lean-splice): a 206 body moved from the socket into the
+    # temporary file at its offset by splice(2), through one pipe per thread, never entering
+    # user memory; each part then read back from the page cache 1 MiB at a time into a small
+    # buffer and hashed there while in cache, a bad or short one fetched again apart. Each
+    # byte crosses memory fewer times than readinto, hash and pwrite of a 16 MiB buffer
+    import fcntl, mmap, os, select, ssl, threading
+    import blake3
+    from pipeline.store import s3_ranges
+    local, plain_land = threading.local(), landing.land_range
+    plain_body = s3_ranges.RangeReader._body
+    HTTPException = s3_ranges.http.client.HTTPException
+    def pipe():
+        p = getattr(local, "pipe", None)
+        if p is None:  # as large as allowed: fewer splice calls a range
+            r, w = os.pipe2(os.O_CLOEXEC)
+            size = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)
+            for want in (splice_pipe, int(open("/proc/sys/fs/pipe-max-size").read())):
+                try:
+                    size = fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, want)
+                    break
+                except OSError:  # over pipe-max-size, or the user's pipe pages spent
+                    pass
+            local.pipe = p = (r, w, size)
+        return p
+    def drop_pipe():  # it may hold a failed range's bytes
+        p, local.pipe = getattr(local, "pipe", None), None
+        if p is not None:
+            os.close(p[0])
+            os.close(p[1])
+    def splice_body(resp, sock, fd, tmp, start, want):  # the body into fd: the bytes that came
+        r, w, size = pipe()
+        # http.client read the headers through a BufferedReader that may hold the body's
+        # first bytes: those first. CPython's peek returns only what is buffered when that is
+        # anything (bufferedio.c), else one read's worth; read1 then takes just those.
+        got = len(pre := resp.fp.read1(min(len(resp.fp.peek(1)), want)))
+        landing._pwrite(tmp, fd, pre, start)
+        timeout, poll = sock.gettimeout(), select.poll()
+        poll.register(sock, select.POLLIN)
+        while got < want:
+            try:
+                n = os.splice(sock.fileno(), w, min(size, want - got))
+            except BlockingIOError:  # settimeout made the socket non-blocking: wait as recv does
+                if not poll.poll(None if timeout is None else timeout * 1000):
+                    raise TimeoutError("timed out") from None
+                continue
+            if not n:  # the server closed early
+                break
+            with landing.local_write(Path(tmp)):
+                while n:  # the pipe into the file at its offset
+                    k = os.splice(r, fd, n, offset_dst=start + got)
+                    n, got = n - k, got + k
+        return got
+    def body(self, resp, start, buf, what, bucket, key):
+        target = getattr(local, "target", None)
+        sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)
+        if (target is None or resp.status != 206 or resp.chunked or resp.length is None
+                or resp.length > len(buf) or isinstance(sock, ssl.SSLSocket) or sock is None):
+            return plain_body(self, resp, start, buf, what, bucket, key)  # TLS: ciphertext
+        s3_ranges.check_content_range(resp.getheader("Content-Range") or "", start, what)
+        local.spliced = True
+        try:
+            got = splice_body(resp, sock, *target, start, resp.length)
+        except BaseException as e:
+            drop_pipe()
+            if isinstance(e, (OSError, HTTPException)):
+                raise s3_ranges._unreachable(what, e) from None
+            raise
+        # http.client's bookkeeping as readinto keeps it: the length left 0 and the response
+        # closed at the body's end (its file only: the connection serves the next request)
+        resp.length -= got
+        resp._close_conn()
+        if resp.length:  # the connection ended first: read_into drops it, the range is retried
+            raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
+        return got  # fewer than len(buf) where Content-Length said so: tail parts short
+    s3_ranges.RangeReader._body = body
+    def spare(n):  # this thread's range buffer: untouched, so not resident, unless a reply
+        # falls back to the plain path or a part is fetched again
+        buf = getattr(local, "spare", None)
+        if buf is None or len(buf) < n:
+            local.spare = buf = memoryview(mmap.mmap(-1, n))
+        return buf[:n]
+    def matches(fd, ref, i):  # part i read back from the page cache, hashed a MiB at a time
+        small = getattr(local, "small", None)
+        if small is None:
+            local.small = small = memoryview(bytearray(1 << 20))  # a core's L2 holds it
+        off, n = ref.part_range(i)
+        h, end = blake3.blake3(max_threads=1), off + n
+        while off < end:
+            k = os.preadv(fd, [small[: min(len(small), end - off)]], off)
+            if not k:
+                return False
+            h.update(small[:k])
+            off += k
+        return h.hexdigest() == ref.parts_blake3[i]
+    def land_range(store, job, open_fd):
+        ref = job.ref
+        if ref.parts_blake3 is None or job.resume:
+            return plain_land(store, job, open_fd)
+        fd, buf = open_fd(), spare(job.length)
+        def fetch():
+            local.spliced = False
+            return store.read_range_into(job.key, job.start, buf)
+        local.target = (fd, job.tmp)
+        try:
+            got = landing.with_retries(fetch)
+        finally:
+            local.target = None
+        if not local.spliced:  # answered another way (a 200, TLS): in the buffer, as lean does
+            extra, bad = landing._write_parts(store, job, fd, buf, got)
+            return landing.Landed(got + extra, False, bad, 0)
+        extra = bad = 0
+        for i in landing._parts_of(ref, job.start, job.length):
+            off, n = ref.part_range(i)
+            if off + n <= job.start + got and matches(fd, ref, i):
+                continue
+            redo = landing.RangeJob(job.key, ref, job.tmp, off, n, False, False)
+            more, again = landing._write_parts(store, redo, fd, buf[:n], 0)  # fetched apart
+            extra, bad = extra + more, bad + again
+        return landing.Landed(got + extra, False, bad, 0)
+    import pipeline.install.fetcher
+    landing.land_range = pipeline.install.fetcher.land_range = land_range
 s5 = __import__("os").environ.get("INF2_BENCH_S5CMD")
 if s5:  # experiment (--pulls lean-s5cmd): s5cmd lands every file, and each file's parts are
     # checked as s5cmd reports it landed (in CHECKERS threads; a bad part fetched again by
@@ -442,6 +592,14 @@ def main() -> None:
         help="comma-separated, of curl, boto3 (those baselines), stages (the timed-calls and "
         "unverified diagnostics), gil (the one-thread GIL figure): what a 16 GiB run can spare",
     )
+    ap.add_argument(
+        "--tls",
+        action="store_true",
+        help="the endpoint over TLS 1.3 (as S3 is reached), a self-signed certificate",
+    )
+    ap.add_argument(
+        "--tls-dir", type=Path, help="with --tls: a folder holding cert.pem and key.pem"
+    )
     ap.add_argument("--best-of", type=int, default=2, help="runs of each method (best taken)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -457,6 +615,7 @@ def main() -> None:
         "available_cpus": available_cpus(),
         "default_concurrency": default_concurrency(),
         "gib": args.gib,
+        "tls": args.tls,
         "work": args.work or tempfile.gettempdir(),
         "shapes": {},
     }
@@ -499,11 +658,13 @@ VARIANTS = {
     "lean-sparse": "sparse temporary files, not preallocated (experiment)",
     "lean-s5cmd": "s5cmd lands, parts checked as each file lands (experiment)",
     "lean-stream": "each range streamed in 1 MiB chunks, hashed and written in cache (experiment)",
+    "lean-splice": "each 206 body spliced socket → file, parts read back and hashed (experiment)",
     # and lean-procsN: N worker processes; lean-s5cmdN: s5cmd's --numworkers N, so that
     # files land (and are checked) one batch after another, not all at the end (experiments)
 }
 LOWAT = 1 << 20
 STREAM_CHUNK = 1 << 20  # lean-stream's buffer: a core's L2 holds it
+SPLICE_PIPE = 1 << 20  # lean-splice's pipe per thread (pipe-max-size's default)
 
 
 def _gets_and_version(gets: str) -> tuple[str, str]:
@@ -523,14 +684,17 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         m = make_release(store, root, args.gib, files)
         refs = m.buckets["b1_s128"].files
         total = sum(r.size for r in refs)
-        server, port = serve_root(args.nginx, root)
-        endpoint = f"http://127.0.0.1:{port}"
+        tls = tls_files(root, args.tls_dir) if args.tls else None
+        server, port = serve_root(args.nginx, root, tls)
+        endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         env = dict(
             AWS_ENDPOINT_URL=endpoint,
             AWS_ACCESS_KEY_ID="bench",
             AWS_SECRET_ACCESS_KEY="bench",
             AWS_DEFAULT_REGION="us-east-1",
         )
+        if tls:  # every client verifies the endpoint: botocore (and so the pull), s5cmd (Go)
+            env.update(AWS_CA_BUNDLE=str(tls[0]), SSL_CERT_FILE=str(tls[0]))
         os.environ.update(env)
         import boto3
 
@@ -541,7 +705,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
 
         def curl() -> None:
             for u in urls:
-                subprocess.run(["curl", "-sf", "-o", "/dev/null", u], check=True)
+                tls_ca = ["--cacert", str(tls[0])] if tls else []
+                subprocess.run(["curl", "-sf", *tls_ca, "-o", "/dev/null", u], check=True)
 
         client = boto3.client("s3", config=boto3.session.Config(s3={"addressing_style": "path"}))
 
@@ -582,6 +747,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 experiment = {"INF2_BENCH_SPARSE": "1"}
             if gets.endswith("-stream"):
                 experiment = {"INF2_BENCH_STREAM": str(STREAM_CHUNK)}
+            if gets.endswith("-splice"):
+                experiment = {"INF2_BENCH_SPLICE": str(SPLICE_PIPE)}
             if re.fullmatch(r"lean-s5cmd[0-9]*", gets):
                 experiment = {"INF2_BENCH_S5CMD": str(Path(args.s5cmd).resolve())}
                 if workers := gets.removeprefix("lean-s5cmd"):

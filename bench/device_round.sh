@@ -106,9 +106,9 @@ stage_serve256open() {  # open loop: Poisson arrivals at each of RATES256 reques
       || return
   done
 }
-stage_decode() {
+stage_decode() {  # LONG_BATCHES='': the s256 release alone beside gpt-fast (no s2048 compile)
   stage decode 250 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
-    --long-batches 1,8,32 --out "$R/cuda-decode.json"
+    --long-batches "${LONG_BATCHES-1,8,32}" --out "$R/cuda-decode.json"
 }
 stage_sampler() { stage sampler 60 python3 bench/bench_sampler.py; }
 stage_firstload() {  # a process's first package load, step by step (a GPU server's start)
@@ -124,6 +124,14 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
     --pulls "${PULLS:-lean,lean-procs4:64,lean-procs8:64,lean-lowat}" \
     --skip curl,boto3,gil,stages --best-of 1 --nginx .devrun/bin/nginx-wrap \
     --s5cmd .devrun/bin/s5cmd --out "$R/pull16.json"
+}
+# the same over TLS (as S3 is reached; a self-signed pair in .devrun/tls, made here: the
+# device image may lack openssl)
+stage_pulltls() {
+  stage pulltls 240 python3 bench/bench_pull.py --gib 16 --shapes 4,64 \
+    --pulls "${PULLS_TLS:-lean}" --tls --tls-dir .devrun/tls \
+    --skip curl,boto3,gil,stages --best-of 1 --nginx .devrun/bin/nginx-wrap \
+    --s5cmd .devrun/bin/s5cmd --out "$R/pull16-tls.json"
 }
 # How long this host's first CUDA call takes, and whether the driver stays initialised
 # between processes (persistence mode): a GPU server's start was 32.8 s in its first
