@@ -19,11 +19,13 @@ baselines measured in the same run on the same endpoint:
   while in cache; a part trusted once its digest matched, a bad one fetched again);
   ``lean-splice`` (each 206 body moved socket → pipe → file by ``splice``, never into user
   memory, then each part read back from the page cache into a 1 MiB buffer and hashed: fewer
-  trips through memory per byte; a bad or short part fetched again apart); and
-  ``lean-s5cmd``: s5cmd lands every file and the pull checks each file's parts as s5cmd
-  reports it landed (``INF2_BENCH_S5CMD_CHECKERS`` threads, ``INF2_BENCH_S5CMD_ARGS`` more
-  s5cmd flags); ``lean-s5cmdN``, the same with s5cmd's ``--numworkers N`` (N files at a
-  time, so that the checks overlap the landing of the files after them).
+  trips through memory per byte; a bad or short part fetched again apart); ``lean-ktls``
+  (over ``--tls``: OpenSSL asked to hand decryption to the kernel, and the TLS reads counted:
+  in user space each returns one 16 KiB record); and ``lean-s5cmd``: s5cmd lands every file
+  and the pull checks each file's parts as s5cmd reports it landed
+  (``INF2_BENCH_S5CMD_CHECKERS`` threads, ``INF2_BENCH_S5CMD_ARGS`` more s5cmd flags);
+  ``lean-s5cmdN``, the same with s5cmd's ``--numworkers N`` (N files at a time, so that the
+  checks overlap the landing of the files after them).
 
 The endpoint is Debian's nginx serving the store directory as a path-style S3 bucket (plain
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
@@ -335,6 +337,25 @@ if chunk:  # experiment (--pulls lean-stream): each range streamed through one s
         return landing.Landed(got + extra, False, bad, 0)
     import pipeline.install.fetcher
     landing.land_range = pipeline.install.fetcher.land_range = land_range
+if __import__("os").environ.get("INF2_BENCH_KTLS"):  # experiment (--pulls lean-ktls): TLS
+    # records decrypted by the kernel where it and OpenSSL can (OP_ENABLE_KTLS, Python 3.12):
+    # a user-space SSL_read returns one record (16 KiB) a call, each a GIL turn; the kernel's
+    # socket returns as much as has come. The reads are counted to show which one ran
+    import ssl, threading
+    from pipeline.store import s3_ranges
+    plain_context, tally, tally_lock = s3_ranges._ssl_context, [0, 0], threading.Lock()
+    def ktls_context(verify):
+        context = plain_context(verify)
+        context.options |= getattr(ssl, "OP_ENABLE_KTLS", 0)
+        return context
+    s3_ranges._ssl_context = ktls_context
+    plain_recv_into = ssl.SSLSocket.recv_into
+    def recv_into(self, buffer, nbytes=0, flags=0):
+        n = plain_recv_into(self, buffer, nbytes, flags)
+        with tally_lock:
+            tally[0], tally[1] = tally[0] + 1, tally[1] + n
+        return n
+    ssl.SSLSocket.recv_into = recv_into
 splice_pipe = int(__import__("os").environ.get("INF2_BENCH_SPLICE", "0"))
 if splice_pipe:  # experiment (--pulls lean-splice): a 206 body moved from the socket into the
     # temporary file at its offset by splice(2), through one pipe per thread, never entering
@@ -561,6 +582,9 @@ hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
 if procs or s5:  # children run beside us: at most each one's peak, all at once
     import resource
     hwm += max(procs, 1) * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+if __import__("os").environ.get("INF2_BENCH_KTLS"):
+    calls["TLS reads"], calls["TLS read mean bytes"] = tally[0], tally[1] // max(1, tally[0])
+    calls["OP_ENABLE_KTLS"] = hasattr(__import__("ssl"), "OP_ENABLE_KTLS")
 print(json.dumps({**r.to_dict(), "peak_rss": hwm, "import_s": imported,
                   "store_s": store_s, "stages": stages, "calls": calls}))
 """
@@ -659,6 +683,7 @@ VARIANTS = {
     "lean-s5cmd": "s5cmd lands, parts checked as each file lands (experiment)",
     "lean-stream": "each range streamed in 1 MiB chunks, hashed and written in cache (experiment)",
     "lean-splice": "each 206 body spliced socket → file, parts read back and hashed (experiment)",
+    "lean-ktls": "TLS decrypted in the kernel where it can, reads counted (experiment)",
     # and lean-procsN: N worker processes; lean-s5cmdN: s5cmd's --numworkers N, so that
     # files land (and are checked) one batch after another, not all at the end (experiments)
 }
@@ -747,6 +772,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 experiment = {"INF2_BENCH_SPARSE": "1"}
             if gets.endswith("-stream"):
                 experiment = {"INF2_BENCH_STREAM": str(STREAM_CHUNK)}
+            if gets.endswith("-ktls"):
+                experiment = {"INF2_BENCH_KTLS": "1"}
             if gets.endswith("-splice"):
                 experiment = {"INF2_BENCH_SPLICE": str(SPLICE_PIPE)}
             if re.fullmatch(r"lean-s5cmd[0-9]*", gets):
@@ -814,7 +841,9 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 "vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
                 # the last run's own split: imports, the store's client, pull_release, and
                 # what an experiment timed inside it
-                "last_run": {k: last.get(k) for k in ("import_s", "store_s", "seconds", "stages")},
+                "last_run": {
+                    k: last.get(k) for k in ("import_s", "store_s", "seconds", "stages", "calls")
+                },
             }
             for key, name in (("vs_boto3", "boto3 download_file (defaults)"),
                               ("vs_curl", "curl → /dev/null (raw loopback)")):  # fmt: skip

@@ -22,7 +22,8 @@
 #   and firstload (bench/profile_first_load.py: a process's first package load, step by step);
 #   each call first times its first CUDA context and keeps one idle process holding it (gpu.txt);
 #   LONG_BATCHES='' compiles the s256 release alone, for STAGES=serve256; STAGES may also
-#   name pull (bench_pull.py at 16 GiB, PULLS its variants), which needs no compile, so
+#   name pull (bench_pull.py at 16 GiB, PULLS its variants) and pulltls (the same over TLS,
+#   PULLS_TLS its variants), which need no compile, so
 #   STAGES=pull SKIP_COMPILE=1 runs it alone). A compile cut short goes on at the next call
 #   (finished buckets are reused, the others start again): on an H100 host (2026-12-05) the
 #   six buckets of both releases had not all compiled in one call (b8_s256, b32_s256 and
