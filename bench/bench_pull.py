@@ -21,8 +21,9 @@ baselines measured in the same run on the same endpoint:
   memory, then each part read back from the page cache into a 1 MiB buffer and hashed: fewer
   trips through memory per byte; a bad or short part fetched again apart); ``lean-ktls``
   (over ``--tls``: OpenSSL asked to hand decryption to the kernel, and the TLS reads counted:
-  in user space each returns one 16 KiB record); and ``lean-s5cmd``: s5cmd lands every file
-  and the pull checks each file's parts as s5cmd reports it landed
+  in user space each returns one 16 KiB record); ``lean-recv`` (a body read by the socket's
+  ``recv_into`` alone, without http.client's two Python layers a read); and ``lean-s5cmd``:
+  s5cmd lands every file and the pull checks each file's parts as s5cmd reports it landed
   (``INF2_BENCH_S5CMD_CHECKERS`` threads, ``INF2_BENCH_S5CMD_ARGS`` more s5cmd flags);
   ``lean-s5cmdN``, the same with s5cmd's ``--numworkers N`` (N files at a time, so that the
   checks overlap the landing of the files after them).
@@ -356,6 +357,32 @@ if __import__("os").environ.get("INF2_BENCH_KTLS"):  # experiment (--pulls lean-
             tally[0], tally[1] = tally[0] + 1, tally[1] + n
         return n
     ssl.SSLSocket.recv_into = recv_into
+if __import__("os").environ.get("INF2_BENCH_RECV"):  # experiment (--pulls lean-recv): a 206
+    # body read by the socket's own recv_into, not through http.client's BufferedReader and
+    # socket.SocketIO: over TLS each read is one 16 KiB record, and those two layers are two
+    # Python calls a record, each with the GIL held
+    from pipeline.store import s3_ranges
+    plain_body = s3_ranges.RangeReader._body
+    def body(self, resp, start, buf, what, bucket, key):
+        sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)
+        if resp.status != 206 or resp.chunked or resp.length is None or sock is None:
+            return plain_body(self, resp, start, buf, what, bucket, key)
+        s3_ranges.check_content_range(resp.getheader("Content-Range") or "", start, what)
+        want = min(resp.length, len(buf))
+        pre = resp.fp.read1(min(len(resp.fp.peek(1)), want))  # what the headers' reads held
+        buf[: len(pre)] = pre
+        got, recv_into = len(pre), sock.recv_into
+        try:
+            while got < want and (n := recv_into(buf[got:want])):
+                got += n
+        except (OSError, s3_ranges.http.client.HTTPException) as e:
+            raise s3_ranges._unreachable(what, e) from None
+        resp.length -= got  # http.client's own bookkeeping, as its readinto keeps it
+        resp._close_conn()
+        if resp.length:  # the connection ended first: read_into drops it
+            raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
+        return got
+    s3_ranges.RangeReader._body = body
 splice_pipe = int(__import__("os").environ.get("INF2_BENCH_SPLICE", "0"))
 if splice_pipe:  # experiment (--pulls lean-splice): a 206 body moved from the socket into the
     # temporary file at its offset by splice(2), through one pipe per thread, never entering
@@ -684,6 +711,7 @@ VARIANTS = {
     "lean-stream": "each range streamed in 1 MiB chunks, hashed and written in cache (experiment)",
     "lean-splice": "each 206 body spliced socket → file, parts read back and hashed (experiment)",
     "lean-ktls": "TLS decrypted in the kernel where it can, reads counted (experiment)",
+    "lean-recv": "bodies read by the socket's recv_into alone (experiment)",
     # and lean-procsN: N worker processes; lean-s5cmdN: s5cmd's --numworkers N, so that
     # files land (and are checked) one batch after another, not all at the end (experiments)
 }
@@ -772,6 +800,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 experiment = {"INF2_BENCH_SPARSE": "1"}
             if gets.endswith("-stream"):
                 experiment = {"INF2_BENCH_STREAM": str(STREAM_CHUNK)}
+            if gets.endswith("-recv"):
+                experiment = {"INF2_BENCH_RECV": "1"}
             if gets.endswith("-ktls"):
                 experiment = {"INF2_BENCH_KTLS": "1"}
             if gets.endswith("-splice"):
