@@ -45,6 +45,7 @@ import json
 import multiprocessing
 import os
 import platform
+import queue
 import random
 import shlex
 import shutil
@@ -374,8 +375,13 @@ def _client_procs(
     try:
         start.value = time.perf_counter()
         go.set()
-        for _ in kids:  # read before join: a child blocks on a full queue until read
-            t, (got, errs), spent = results.get(timeout=timeout * requests + 60)
+        # Read before join: a child blocks on a full queue until read. Waited for in short
+        # polls: one wait of timeout × requests overflows poll(2)'s milliseconds past ~2,100
+        # requests at the default 600 s (OverflowError at 4,000 on a device, 2026-12-07),
+        # and a child that died without a report must not be waited for that long either.
+        deadline = time.monotonic() + timeout * requests + 60
+        for _ in kids:
+            t, (got, errs), spent = _next_report(results, kids, deadline)
             end = max(end, t)
             raw.update(got)
             errors += errs
@@ -387,6 +393,23 @@ def _client_procs(
             if k.is_alive():
                 k.kill()
     return end - start.value, raw, errors, usage
+
+
+def _next_report(results: Any, kids: list, deadline: float) -> Any:
+    """The next client process's report from ``results`` (a multiprocessing queue), polled
+    a second at a time until ``deadline``; RuntimeError if every process ended without one
+    left to read, or the deadline passed."""
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the client processes did not finish in time") from None
+            if not any(k.is_alive() for k in kids):
+                try:  # the last report may still be in the pipe
+                    return results.get(timeout=1.0)
+                except queue.Empty:
+                    raise RuntimeError("a client process ended without its answers") from None
 
 
 # --- the server's own counts -------------------------------------------------------------------

@@ -131,6 +131,30 @@ def test_each_client_process_is_pinned_before_it_sends():
     assert set(usage) == {"cpu_s", "involuntary"}
 
 
+def test_client_processes_wait_for_thousands_of_requests():
+    """4,000 requests at a 600 s request timeout: one wait of their product overflowed
+    poll(2)'s milliseconds (OverflowError on a device, 2026-12-07)."""
+
+    def send(threads_n, start, take):
+        raw = {}
+        while (i := take()) is not None:
+            raw[i] = (start, [(start, b"x")], start)
+        return raw, []
+
+    _, raw, errors, _ = bench_serve._client_procs(send, 4000, 2, 2, 600.0)
+    assert not errors and sorted(raw) == list(range(4000))
+
+
+def test_a_client_process_that_dies_without_answers_fails_the_replay_at_once():
+    def send(threads_n, start, take):
+        os._exit(3)  # gone before it reports
+
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="ended without its answers"):
+        bench_serve._client_procs(send, 10, 2, 2, 600.0)
+    assert time.monotonic() - t < 60  # not the 6,000 s its requests' timeouts would allow
+
+
 @pytest.mark.parametrize(
     ("spec", "cpus"), [("0", {0}), ("0-1", {0, 1}), ("1,0", {0, 1}), ("0,0-0", {0})]
 )
