@@ -376,7 +376,7 @@ def _client_procs(
         start.value = time.perf_counter()
         go.set()
         # Read before join: a child blocks on a full queue until read. Waited for in short
-        # polls: one wait of timeout × requests overflows poll(2)'s milliseconds past ~2,100
+        # polls: one wait of timeout × requests overflows poll(2)'s milliseconds past ~3,580
         # requests at the default 600 s (OverflowError at 4,000 on a device, 2026-12-07),
         # and a child that died without a report must not be waited for that long either.
         deadline = time.monotonic() + timeout * requests + 60
