@@ -696,7 +696,7 @@ def main() -> None:
         save()
     del model
 
-    if long_batches:  # none: the decode release alone, beside gpt-fast
+    if long_batches:  # the long release's figures (without one: the decode release alone)
         prefill_dir = Path(result["compile"]["releases"][f"{name}-prefill"]["dir"])
         prefill_model = BucketedModel.load(prefill_dir)
         result["prefill"] = prefill_rate(

@@ -126,8 +126,8 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
     --skip curl,boto3,gil,stages --best-of 1 --nginx .devrun/bin/nginx-wrap \
     --s5cmd .devrun/bin/s5cmd --out "$R/pull16.json"
 }
-# the same over TLS (as S3 is reached; a self-signed pair in .devrun/tls, made here: the
-# device image may lack openssl)
+# the same over TLS, as S3 is reached (the certificate in .devrun/tls, made by
+# prepare_device_bench.sh: the device image may lack openssl)
 stage_pulltls() {
   stage pulltls 240 python3 bench/bench_pull.py --gib 16 --shapes 4,64 \
     --pulls "${PULLS_TLS:-lean}" --tls --tls-dir .devrun/tls \

