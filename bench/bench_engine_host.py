@@ -25,6 +25,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,7 +64,10 @@ def serve_sim(argv: list[str]) -> None:
     path = os.environ.get("INF2_SIM_TIMINGS")
     timings = Timings.load(Path(path) if path else None)
     model = SimModel(Path(argv[0]), buckets, timings)
-    installed.open_installed = lambda *a, **k: None  # there is no release to check
+    # There is no release to check; what serve reads of one (the backend, for --http-workers
+    # auto) is a device's, which the simulated model stands in for.
+    release = SimpleNamespace(manifest=SimpleNamespace(backend="cuda"))
+    installed.open_installed = lambda *a, **k: release
     service._load_model = lambda path, trust=None: model
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 

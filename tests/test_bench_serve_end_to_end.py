@@ -1,8 +1,9 @@
-"""``bench/bench_serve.py`` end to end on the demo's cpu release, with the flags a device round
-passes (client processes, the lone way's own count, a variant, rounds): a bench path that
-breaks costs a device session (the twenty-eighth round's replay failed after its servers
-were ready), while here it costs seconds. Figures are not asserted, only that every way ran
-and answered as the prompt alone."""
+"""The serve benches end to end: ``bench/bench_serve.py`` on the demo's cpu release, with the
+flags a device round passes (client processes, the lone way's own count, a variant, rounds),
+and ``bench/bench_engine_host.py`` on its simulated device with serve's default flags. A
+bench path that breaks costs a device session (the twenty-eighth round's replay failed after
+its servers were ready), while here it costs seconds. Figures are not asserted, only that
+every way ran and answered."""
 
 from __future__ import annotations
 
@@ -47,3 +48,18 @@ def test_the_serve_bench_runs_every_way_a_device_round_asks_for(installed, tmp_p
         assert w["failed_requests"] == 0 and w["answers_differing_from_alone"] == 0
         assert len(w["every_round"]) == 2 and w["output_tokens_per_s"] > 0
     assert ways["serve/2p"]["requests"] == ways["front1/2p"]["requests"] == 40
+
+
+def test_the_simulated_device_bench_serves_with_serve_s_defaults(tmp_path):
+    """serve's defaults read the release (``--http-workers auto`` its backend): the simulated
+    device's stand-in release must answer what they read."""
+    out = tmp_path / "sim.json"
+    run = subprocess.run(
+        [sys.executable, "bench/bench_engine_host.py", "--trace", str(_trace(tmp_path / "t.csv")),
+         "--requests", "24", "--concurrency", "4", "--rounds", "1", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    (serve,) = json.loads(out.read_text())["ways"]["serve"]
+    assert serve["requests"] == 24 and serve["failed_requests"] == 0 and not serve["errors"]
+    assert serve["output_tokens"] > 0
