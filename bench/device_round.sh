@@ -7,7 +7,8 @@
 #   WAYS2048, WAYS256: bench_serve's --ways for the two replays; ARGS2048, ARGS256: more
 #   bench_serve arguments, shell-quoted, e.g. ARGS2048="--variant 'p8=--max-prefills 8'"
 #   (default: the nofold variant, serve --fold-prompts off, and for s256 also onebyone,
-#   serve --no-coalesce, and front1, serve --http-workers 1);
+#   serve --no-coalesce, front1, serve --http-workers 1, and stallauto, serve --max-prefills 16
+#   --prefill-stall auto);
 #   STAGES: which stages after the compile, in order, default "serve2048 serve256 decode sampler";
 #   serve256open is the s256 release at open-loop Poisson rates (RATES256, default 400/s;
 #   OPEN_REQUESTS requests, default 1500; REQUESTS256: the closed loop's, default 4000: with
@@ -46,7 +47,11 @@ PEER=(--peer peers/hf-continuous-batching/peer_serve.py --trace peers/AzureLLMIn
 NOFOLD="--variant 'nofold=--fold-prompts off'"
 ONEBYONE="--variant 'onebyone=--no-coalesce'"
 FRONT1="--variant 'front1=--http-workers 1'"
-eval "more2048=(${ARGS2048-$NOFOLD})"; eval "more256=(${ARGS256-$NOFOLD $ONEBYONE $FRONT1})"
+# a larger admission per iteration within a stall budget: ahead in every column on the
+# simulated device at 4,000 requests (bench/RESULTS.md, 2026-12-07), not yet on a device
+STALLAUTO="--variant 'stallauto=--max-prefills 16 --prefill-stall auto'"
+eval "more2048=(${ARGS2048-$NOFOLD})"
+eval "more256=(${ARGS256-$NOFOLD $ONEBYONE $FRONT1 $STALLAUTO})"
 left() { echo $((BUDGET - ($(date +%s) - T0))); }
 # Each stage ends with pkill -f "from pipeline.cli import main" (servers it started): a device
 # command line holding that text is killed with them, output and all (2026-12-06).
