@@ -268,7 +268,7 @@ def test_auto_http_workers_one_per_two_cpus_up_to_four(backend, engine_process, 
 
 
 def test_usable_cpus_are_capped_by_a_pods_cgroup_quota(tmp_path):
-    from pipeline.server.fronts import usable_cpus
+    from pipeline._cpus import usable_cpus
 
     mine = len(os.sched_getaffinity(0))
     assert usable_cpus(tmp_path) == mine  # no cgroup files: affinity alone

@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pipeline._cpus import CGROUP, usable_cpus
 from pipeline._files import atomic_write_bytes, sha256_file
 from pipeline._progress import byte_progress
 from pipeline.install.fetcher import Fetcher, Verify
@@ -64,23 +65,13 @@ DEFAULT_PART = PART_SIZE  # bytes per ranged GET; rounded to whole manifest part
 MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
 
 
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+CGROUP_CPU_MAX = CGROUP / "cpu.max"  # cgroup v2's limit; v1's sits beside it (pipeline._cpus)
 
 
 def available_cpus() -> int:
-    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU limit (a
-    container on a 192-vCPU node with a 2-CPU limit gets 2, not 192)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    try:
-        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return n
+    """CPUs this process may use, whole (``pipeline._cpus.usable_cpus``: a part of a CPU
+    counts as one): a container on a 192-vCPU node with a 2-CPU limit gets 2, not 192."""
+    return max(1, math.ceil(usable_cpus(CGROUP_CPU_MAX.parent)))
 
 
 def default_concurrency(cpus: int | None = None) -> int:

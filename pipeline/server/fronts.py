@@ -26,9 +26,9 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
+from pipeline._cpus import usable_cpus
 from pipeline._procs import how_it_ended, killed_with_parent
 
 JOIN_S = 10.0  # after front 0 failed, how long the others may take to end
@@ -37,24 +37,6 @@ METRICS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 # 23-25 % of a core at 12,300-12,500 tokens/s (one alone: 64-68 %), bench/RESULTS.md,
 # twenty-seventh round; more fronts only add processes
 AUTO_MOST = 4
-CGROUP = Path("/sys/fs/cgroup")
-
-
-def usable_cpus(cgroup: Path = CGROUP) -> float:
-    """CPUs this process may use: its affinity, capped by a cgroup CPU quota (a pod's
-    ``limits.cpu``: v2 ``cpu.max``, else v1 ``cpu.cfs_quota_us``), which affinity does not
-    show."""
-    cpus: float = len(os.sched_getaffinity(0))
-    quota = None
-    with contextlib.suppress(OSError, ValueError):
-        q, period = (cgroup / "cpu.max").read_text().split()[:2]
-        quota = None if q == "max" else int(q) / int(period)
-    if quota is None:
-        with contextlib.suppress(OSError, ValueError):
-            q = int((cgroup / "cpu" / "cpu.cfs_quota_us").read_text())
-            period = int((cgroup / "cpu" / "cpu.cfs_period_us").read_text())
-            quota = q / period if q > 0 and period > 0 else None
-    return min(cpus, quota) if quota else cpus
 
 
 def auto_count(backend: str, engine_process: bool, cpus: float | None = None) -> int:
