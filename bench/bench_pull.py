@@ -357,6 +357,19 @@ if __import__("os").environ.get("INF2_BENCH_KTLS"):  # experiment (--pulls lean-
             tally[0], tally[1] = tally[0] + 1, tally[1] + n
         return n
     ssl.SSLSocket.recv_into = recv_into
+# For the experiments that read a 206 body past http.client (lean-recv, lean-splice): the body's
+# first bytes that the headers' reads left in the response's BufferedReader (CPython's peek
+# returns only what is buffered when that is anything, bufferedio.c; read1 takes just those),
+# and the end of the body as http.client's readinto marks it (length 0, the response's file
+# closed, not the socket, so the keep-alive connection serves the next request)
+def buffered_head(resp, want):
+    return resp.fp.read1(min(len(resp.fp.peek(1)), want))
+def finish_body(resp, got, what):
+    from pipeline.store import s3_ranges
+    resp.length -= got
+    resp._close_conn()
+    if resp.length:  # the connection ended first: read_into drops it, the range is retried
+        raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
 if __import__("os").environ.get("INF2_BENCH_RECV"):  # experiment (--pulls lean-recv): a 206
     # body read by the socket's own recv_into, not through http.client's BufferedReader and
     # socket.SocketIO: over TLS each read is one 16 KiB record, and those two layers are two
@@ -369,7 +382,7 @@ if __import__("os").environ.get("INF2_BENCH_RECV"):  # experiment (--pulls lean-
             return plain_body(self, resp, start, buf, what, bucket, key)
         s3_ranges.check_content_range(resp.getheader("Content-Range") or "", start, what)
         want = min(resp.length, len(buf))
-        pre = resp.fp.read1(min(len(resp.fp.peek(1)), want))  # what the headers' reads held
+        pre = buffered_head(resp, want)
         buf[: len(pre)] = pre
         got, recv_into = len(pre), sock.recv_into
         try:
@@ -377,10 +390,7 @@ if __import__("os").environ.get("INF2_BENCH_RECV"):  # experiment (--pulls lean-
                 got += n
         except (OSError, s3_ranges.http.client.HTTPException) as e:
             raise s3_ranges._unreachable(what, e) from None
-        resp.length -= got  # http.client's own bookkeeping, as its readinto keeps it
-        resp._close_conn()
-        if resp.length:  # the connection ended first: read_into drops it
-            raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
+        finish_body(resp, got, what)
         return got
     s3_ranges.RangeReader._body = body
 splice_pipe = int(__import__("os").environ.get("INF2_BENCH_SPLICE", "0"))
@@ -415,10 +425,7 @@ if splice_pipe:  # experiment (--pulls lean-splice): a 206 body moved from the s
             os.close(p[1])
     def splice_body(resp, sock, fd, tmp, start, want):  # the body into fd: the bytes that came
         r, w, size = pipe()
-        # http.client read the headers through a BufferedReader that may hold the body's
-        # first bytes: those first. CPython's peek returns only what is buffered when that is
-        # anything (bufferedio.c), else one read's worth; read1 then takes just those.
-        got = len(pre := resp.fp.read1(min(len(resp.fp.peek(1)), want)))
+        got = len(pre := buffered_head(resp, want))  # what the headers' reads held, first
         landing._pwrite(tmp, fd, pre, start)
         timeout, poll = sock.gettimeout(), select.poll()
         poll.register(sock, select.POLLIN)
@@ -451,12 +458,7 @@ if splice_pipe:  # experiment (--pulls lean-splice): a 206 body moved from the s
             if isinstance(e, (OSError, HTTPException)):
                 raise s3_ranges._unreachable(what, e) from None
             raise
-        # http.client's bookkeeping as readinto keeps it: the length left 0 and the response
-        # closed at the body's end (its file only: the connection serves the next request)
-        resp.length -= got
-        resp._close_conn()
-        if resp.length:  # the connection ended first: read_into drops it, the range is retried
-            raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
+        finish_body(resp, got, what)
         return got  # fewer than len(buf) where Content-Length said so: tail parts short
     s3_ranges.RangeReader._body = body
     def spare(n):  # this thread's range buffer: untouched, so not resident, unless a reply
