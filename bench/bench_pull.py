@@ -11,7 +11,9 @@ baselines measured in the same run on the same endpoint:
   ``botocore`` (``get_object(...)["Body"].read()``, the path before; chosen by
   ``INF2_PIPELINE_S3_GETS``), with CONCURRENCY ranged GETs in flight (0 or absent:
   ``--concurrency``, else pull's default for this machine); ``lean-sha256`` pulls the same
-  bytes published as schema 2 did (parts checked by sha256, not BLAKE3); two experiments:
+  bytes published as schema 2 did (parts checked by sha256, not BLAKE3); ``lean`` takes
+  pull's default worker processes (over ``--tls`` one per two CPUs, up to 8), ``lean-one``
+  one process and ``lean-pN`` N (``--processes``); the experiments:
   ``lean-lowat`` (each large socket read waits for 1 MiB: fewer GIL turns a range) and
   ``lean-procsN`` (the ranges landed by N forked worker processes, one GIL each),
   ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); ``lean-stream``
@@ -606,14 +608,17 @@ if sys.argv[4] == "unverified":  # diagnostic: the transport alone, every digest
     landing.hashlib = type("H", (), {"sha256": NoHash})
     landing.part_matches = lambda ref, i, data: True
 c = int(sys.argv[3]) or None  # 0: pull's default
+p = int(__import__("os").environ.get("INF2_BENCH_PULL_PROCESSES", "0")) or None  # None: auto
 t = time.perf_counter()
 store = S3Store.from_url(sys.argv[1])
 store_s = time.perf_counter() - t
-r = pull.pull_release(store, "bench", Path(sys.argv[2]), version=sys.argv[5], concurrency=c)
+r = pull.pull_release(store, "bench", Path(sys.argv[2]), version=sys.argv[5], concurrency=c,
+                      processes=p)
 hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
-if procs or s5:  # children run beside us: at most each one's peak, all at once
+if procs or s5 or r.processes > 1:  # children run beside us: at most each one's peak, at once
     import resource
-    hwm += max(procs, 1) * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    n = max(procs, r.processes, 1)
+    hwm += n * resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 if __import__("os").environ.get("INF2_BENCH_KTLS"):
     calls["TLS reads"], calls["TLS read mean bytes"] = tally[0], tally[1] // max(1, tally[0])
     calls["OP_ENABLE_KTLS"] = hasattr(__import__("ssl"), "OP_ENABLE_KTLS")
@@ -687,6 +692,8 @@ def main() -> None:
 def _pull_variant(spec: str) -> tuple[str, str, int]:
     """``lean:64`` -> ("pull, lean GETs, concurrency 64", "lean", 64)."""
     gets, _, c = spec.partition(":")
+    if re.fullmatch(r"lean-p[1-9][0-9]*", gets):
+        VARIANTS[gets] = f"{gets.removeprefix('lean-p')} worker processes (--processes)"
     if re.fullmatch(r"lean-procs[1-9][0-9]*", gets):
         VARIANTS[gets] = f"{gets.removeprefix('lean-procs')} worker processes (experiment)"
     if re.fullmatch(r"lean-s5cmd[1-9][0-9]*", gets):
@@ -710,6 +717,7 @@ VARIANTS = {
     "lean": "",
     "botocore": "",
     "lean-sha256": "sha256 parts (schema 2)",
+    "lean-one": "one process (--processes 1: the default before 2026-12-07 over TLS)",
     "lean-lowat": "SO_RCVLOWAT 1 MiB (experiment)",
     "lean-sparse": "sparse temporary files, not preallocated (experiment)",
     "lean-s5cmd": "s5cmd lands, parts checked as each file lands (experiment)",
@@ -801,6 +809,10 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             experiment = {"INF2_BENCH_RCVLOWAT": str(LOWAT)} if gets.endswith("-lowat") else {}
             if gets.startswith("lean-procs"):
                 experiment = {"INF2_BENCH_PROCESSES": gets.removeprefix("lean-procs")}
+            if gets == "lean-one":
+                experiment = {"INF2_BENCH_PULL_PROCESSES": "1"}
+            if re.fullmatch(r"lean-p[0-9]+", gets):
+                experiment = {"INF2_BENCH_PULL_PROCESSES": gets.removeprefix("lean-p")}
             if gets.endswith("-sparse"):
                 experiment = {"INF2_BENCH_SPARSE": "1"}
             if gets.endswith("-stream"):

@@ -8,10 +8,11 @@ install. See docs/pull.md for the flags, the defaults and why.
   fetches a range, checks each manifest part in it against its sha256 (hashlib releases the
   GIL, so checks run on every core), and writes it at its offset with ``os.pwrite`` into a
   preallocated temporary file. Bytes in memory stay below concurrency × range size.
-* One process: its threads hold the GIL about 0.04-0.05 s per GB landed (the bytes go
-  from the socket into the buffer, through sha256 and into the file without it), so one
-  process is not GIL-bound below ~20 GB/s. Worker processes were measured on 16 cores
-  and gave nothing but memory (docs/pull.md).
+* Over plain HTTP one process: its threads hold the GIL about 0.04-0.05 s per GB landed
+  (large socket reads), and worker processes gave 1.2x for 2.2x the memory on 16 cores.
+  Over TLS (S3 itself) each read is one 16 KiB record that takes the GIL back, and one
+  process landed ~1 GB/s on 16 cores: there the files are shared out to worker processes
+  (``pipeline.install.processes``; ``processes``, chosen by the store; docs/pull.md).
 * A bad part (wrong bytes, short read) is fetched again, alone, up to ``PART_RETRIES`` times.
   The whole-file sha256 (the blob's name) is checked where it costs nothing extra (a file of
   one range, hashed in memory), and for every file with ``verify="full"``. Files whose ref has
@@ -50,6 +51,7 @@ from pipeline.install.installed import (
     TEMPORARY_SUFFIX,
     release_files,
 )
+from pipeline.install.processes import WorkerProcesses
 from pipeline.store.base import Store
 from pipeline.store.refs import PART_SIZE, FileRef
 from pipeline.store.signing import Trust
@@ -74,6 +76,14 @@ def available_cpus() -> int:
     return max(1, math.ceil(usable_cpus(CGROUP_CPU_MAX.parent)))
 
 
+def default_processes(store: Store, cpus: int | None = None) -> int:
+    """Worker processes for a pull from ``store`` (``Store.pull_processes``): more than one
+    only where the store's reads bind one process (TLS), and where processes can fork."""
+    if not hasattr(os, "fork"):
+        return 1
+    return store.pull_processes(available_cpus() if cpus is None else cpus)
+
+
 def default_concurrency(cpus: int | None = None) -> int:
     cpus = available_cpus() if cpus is None else cpus
     return max(MIN_CONCURRENCY, min(MAX_CONCURRENCY, THREADS_PER_CPU * cpus))
@@ -93,6 +103,7 @@ class PullResult:
     refetched_parts: int = 0
     refetched_files: int = 0
     concurrency: int = 0
+    processes: int = 1  # worker processes the ranges landed in (1: this one's threads)
     part_size: int = 0
     verify: str = "parts"
     signed_by: str | None = None  # the signing key's id, as stored
@@ -115,15 +126,18 @@ def pull_release(
     version: str | None = None,
     channel: str | None = None,
     concurrency: int | None = None,
+    processes: int | None = None,
     part_size: int = DEFAULT_PART,
     verify: Verify = "parts",
     trust: Trust | None = None,
 ) -> PullResult:
     """Install a release; see the module docstring. ``trust``: install only a release
     whose manifest a trusted key signed (``pipeline.store.verified``); nothing is written
-    before that is checked."""
+    before that is checked. ``processes``: worker processes to land the files in (None:
+    ``default_processes``); ``concurrency`` is the ranges in flight across all of them."""
     start = time.monotonic()
     concurrency = concurrency or default_concurrency()
+    processes = processes or default_processes(store)
     release = read_verified(store, model, version=version, channel=channel, trust=trust)
     manifest, raw, version = release.manifest, release.data, release.manifest.version
     sig = release.signature.model_dump_json(indent=2).encode() if release.signature else None
@@ -133,7 +147,7 @@ def pull_release(
     total = sum(ref.size for _, ref in files)
     result = PullResult(
         model, version, final, len(files), 0, total, 0.0, True,
-        concurrency=concurrency, part_size=part_size, verify=verify,
+        concurrency=concurrency, processes=processes, part_size=part_size, verify=verify,
         signed_by=release.signature.key_id if release.signature else None,
         signature="verified" if release.trusted else "not checked",
     )  # fmt: skip
@@ -189,10 +203,20 @@ def _pull_into(
             fetch.append((target, ref))
             fetching.add(ref.sha256)
     reused = total - sum(ref.size for _, ref in fetch)
-    fetcher = Fetcher(store, concurrency, part_size, verify)
-    with byte_progress(f"pull {model} {version}", total) as progress:
-        progress.advance(reused)
-        fetcher.fetch_all(fetch, progress)
+    fetcher: Fetcher | WorkerProcesses
+    processes = min(result.processes, len(fetch))
+    if processes > 1:  # forked before the progress bar's thread exists
+        fetcher = WorkerProcesses(store, processes, concurrency, part_size, verify)
+        fetcher.start(fetch)
+    else:
+        fetcher = Fetcher(store, concurrency, part_size, verify)
+    try:
+        with byte_progress(f"pull {model} {version}", total) as progress:
+            progress.advance(reused)
+            fetcher.fetch_all(fetch, progress)
+    finally:
+        if isinstance(fetcher, WorkerProcesses):
+            fetcher.close()
     have.update({ref.sha256: target for target, ref in fetch})
     for target, ref in copies:
         _link_or_copy(have[ref.sha256], target)
@@ -205,6 +229,7 @@ def _pull_into(
         reused_bytes=reused + fetcher.resumed,
         seconds=time.monotonic() - start,
         already_installed=False,
+        processes=max(1, processes),
         parts=fetcher.parts,
         refetched_parts=fetcher.refetched_parts,
         refetched_files=fetcher.refetched_files,
@@ -255,5 +280,6 @@ __all__ = [
     "PullResult",
     "available_cpus",
     "default_concurrency",
+    "default_processes",
     "pull_release",
 ]

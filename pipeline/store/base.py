@@ -68,6 +68,17 @@ class Store(ABC):
         buf[: len(data)] = data
         return len(data)
 
+    def pull_processes(self, cpus: int) -> int:
+        """How many worker processes a pull on ``cpus`` CPUs should land ranges in: one,
+        unless this store's reads take the GIL back often enough to bind one process (TLS
+        in Python: ``pipeline.install.processes``)."""
+        return 1
+
+    def after_fork(self) -> None:
+        """Called in a forked worker process before its first read: drop what it would
+        otherwise share with its parent (pooled connections)."""
+        return None
+
     @abstractmethod
     def size(self, key: str) -> int | None:
         """Size in bytes, or None when absent."""

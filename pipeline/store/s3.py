@@ -96,6 +96,11 @@ def _b64(hex_digest: str) -> str:
 ClientFactory = Callable[..., Any]
 
 
+# Worker processes a pull over TLS may use (``pull_processes``): 8 landed 3.1-3.8 GB/s and
+# 16 4.2 on 16 cores, for ~190 MiB more memory each (bench/RESULTS.md, 2026-12-07).
+MAX_PULL_PROCESSES = 8
+
+
 class S3Store(Store):
     def __init__(
         self,
@@ -287,6 +292,29 @@ class S3Store(Store):
             except BotocoreOnly:  # another region, a skewed clock: botocore's path from now on
                 self.ranges = None
         return super().read_range_into(key, start, buf)
+
+    def pull_processes(self, cpus: int) -> int:
+        """Over TLS on our own reads, one process per two CPUs, at least 2 and at most
+        ``MAX_PULL_PROCESSES``: each TLS read is one 16 KiB record and takes the GIL back,
+        and one process landed 1.0-1.25 GB/s on 16 cores whatever its threads; on 2 CPUs
+        two landed 1.00-1.28x one (bench/RESULTS.md, 2026-12-07). Over plain HTTP, on
+        botocore's path, or on one CPU, one."""
+        ranges = self.ranges
+        if ranges is None or not ranges.tls or cpus < 2:
+            return 1
+        return max(2, min(MAX_PULL_PROCESSES, cpus // 2))
+
+    def after_fork(self) -> None:
+        """Forget the parent's connections: botocore's pool (which the manifest's GET left
+        a kept-alive connection in) and the reader's. Two processes reading one inherited
+        socket would each get parts of the other's replies. Closing our copy of a socket
+        sends nothing while the parent holds it."""
+        session = getattr(getattr(self.client, "_endpoint", None), "http_session", None)
+        close = getattr(session, "close", None)
+        if close is not None:
+            close()
+        if self.ranges is not None:
+            self.ranges.forget_connections()
 
     def size(self, key: str) -> int | None:
         try:

@@ -68,9 +68,11 @@ class RangeReader:
         ssl_context: ssl.SSLContext | None,
         connect_timeout: float,
         read_timeout: float,
+        tls: bool = False,
     ) -> None:
         self.client = client
         self.ssl_context = ssl_context
+        self.tls = tls  # the endpoint is https: every read is one TLS record
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self._urls: dict[tuple[str, str], tuple[str, float]] = {}
         self._urls_lock = threading.Lock()
@@ -98,6 +100,7 @@ class RangeReader:
             ssl_context=_ssl_context(http_session._verify),
             connect_timeout=float(config.connect_timeout or 60),
             read_timeout=float(config.read_timeout or 60),
+            tls=urlsplit(endpoint).scheme == "https",
         )
 
     def read_into(self, bucket: str, key: str, start: int, buf: memoryview, what: str) -> int:
@@ -222,6 +225,10 @@ class RangeReader:
         conn = self._local.__dict__.get("conns", {}).pop(conn_key, None)
         if conn is not None:
             conn.close()
+
+    def forget_connections(self) -> None:
+        """After a fork: every thread's connections are the parent's; start afresh."""
+        self._local = threading.local()
 
     def close_thread_connections(self) -> None:
         """Close this thread's connections (they are closed anyway when the thread ends)."""

@@ -1,0 +1,291 @@
+"""A pull's files shared out to worker processes (pipeline.install.processes): the same
+install, checks and counts as one process's threads, against a local store and moto's S3
+server (through the fault proxy where bytes go bad); a failing or killed worker fails the
+pull in one line and leaves what a resume needs; no worker outlives the pull."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.contracts.store_layout import blob_key
+from pipeline.errors import IntegrityError, PipelineError
+from pipeline.install import pull as pull_module
+from pipeline.install.landing import PART_RETRIES
+from pipeline.install.processes import _picklable, split_by_bytes
+from pipeline.install.pull import default_processes, pull_release
+from pipeline.store import open_store
+from pipeline.store.local import LocalStore
+from pipeline.store.refs import FileRef
+from pipeline.store.s3 import MAX_PULL_PROCESSES, S3Store
+from tests.fault_proxy import FaultProxy, ranged_get_of
+from tests.release_factory import make_release
+
+runner = CliRunner()
+PART = 1 << 16
+
+
+@pytest.fixture
+def store(store_url):
+    return open_store(store_url)
+
+
+def _files(n: int = 7, size: int = 5 * PART) -> dict[str, bytes]:
+    return {f"part{i}.bin": os.urandom(size + i) for i in range(n)}
+
+
+def _forked_children() -> list[int]:
+    """Our children that are forks of this process (same command line): the workers."""
+    me, mine = str(os.getpid()), Path("/proc/self/cmdline").read_bytes()
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = (proc / "status").read_text()
+            if f"\nPPid:\t{me}\n" in status and (proc / "cmdline").read_bytes() == mine:
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
+
+
+def _ref(size: int) -> FileRef:
+    return FileRef(path=f"f{size}", size=size, sha256="0" * 64)
+
+
+def test_files_are_split_by_bytes_largest_first_and_no_group_is_empty():
+    jobs = [(Path(f"f{s}"), _ref(s)) for s in (100, 90, 50, 40, 10, 5)]
+    groups = split_by_bytes(jobs, 3)
+    assert [sum(r.size for _, r in g) for g in groups] == [100, 100, 95]
+    assert sorted(r.size for g in groups for _, r in g) == [5, 10, 40, 50, 90, 100]
+    assert len(split_by_bytes(jobs[:2], 8)) == 2  # no more processes than files
+    assert split_by_bytes(jobs, 1) == [sorted(jobs, key=lambda j: -j[1].size)]
+
+
+def test_workers_install_every_byte_and_report_one_progress(store, tmp_path, monkeypatch):
+    files = _files()
+    make_release(store, tmp_path, buckets={"b1_s32": files}, part_size=PART)
+    advanced = []
+
+    @contextlib.contextmanager
+    def recording(description, total):
+        yield type("P", (), {"advance": lambda self, n: advanced.append(n)})()
+
+    monkeypatch.setattr(pull_module, "byte_progress", recording)
+    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=3, concurrency=6,
+                     part_size=PART)  # fmt: skip
+    assert r.processes == 3
+    for name, data in files.items():
+        assert (r.path / "buckets/b1_s32" / name).read_bytes() == data
+    assert sum(advanced) == r.downloaded_bytes + r.reused_bytes  # every child's bytes
+    assert r.parts == sum(-(-len(d) // PART) for d in files.values()) + 1  # + config.json
+    assert not list(r.path.rglob("*.incomplete")) and not _forked_children()
+
+
+def test_fewer_files_than_processes_use_a_process_a_file(store, tmp_path):
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": os.urandom(3 * PART)}})
+    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=8)
+    assert r.processes == 2  # w.bin and config.json
+
+
+@pytest.mark.s3
+def test_a_part_corrupted_in_a_worker_is_refetched_alone_and_counted(
+    s3_store_url, s3_env, tmp_path, monkeypatch
+):
+    files = _files(4, 20 * PART)
+    m = make_release(open_store(s3_store_url), tmp_path, buckets={"b1_s32": files},
+                     part_size=PART)  # fmt: skip
+    ref = next(f for f in m.buckets["b1_s32"].files if f.path == "part2.bin")
+    with FaultProxy(s3_env, ranged_get_of(blob_key(ref.sha256), 4 * PART)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "d"),
+                                "--store", s3_store_url, "--part-size", "256KiB",
+                                "--processes", "2", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["processes"] == 2 and out["refetched_parts"] == 1 and len(proxy.hits) == 1
+    for name, data in files.items():
+        assert (tmp_path / "d/m/current/buckets/b1_s32" / name).read_bytes() == data
+
+
+@pytest.mark.s3
+def test_persistent_corruption_in_a_worker_is_one_line_exit_1_and_keeps_the_install(
+    s3_store_url, s3_env, tmp_path, monkeypatch
+):
+    store = open_store(s3_store_url)
+    make_release(store, tmp_path, version="v1", part_size=PART)
+    m2 = make_release(store, tmp_path, version="v2", buckets={"b1_s32": _files(4)},
+                      part_size=PART)  # fmt: skip
+    dest = tmp_path / "d"
+    pull_release(store, "m", dest, version="v1")
+    ref = m2.buckets["b1_s32"].files[0]
+    bad = ranged_get_of(blob_key(ref.sha256), 3 * PART)
+    with FaultProxy(s3_env, bad, None) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        r = runner.invoke(app, ["pull", "m", "--version", "v2", "--dest", str(dest), "--store",
+                                s3_store_url, "--part-size", "64KiB",
+                                "--processes", "3"])  # fmt: skip
+    assert r.exit_code == 1, r.output
+    assert r.stderr.count("\n") == 1 and "blake3 mismatch in part 3" in r.stderr
+    assert f"after {PART_RETRIES} re-fetches" in r.stderr
+    assert os.readlink(dest / "m/current") == "v1" and not (dest / "m/v2").exists()
+    assert not _forked_children()
+
+
+def test_a_killed_worker_fails_the_pull_then_a_pull_resumes(store, tmp_path):
+    files = _files(6, 8 * PART)
+    make_release(store, tmp_path, buckets={"b1_s32": files}, part_size=PART)
+    parent, real = os.getpid(), store.read_range_into
+    landed = []
+
+    def read_range_into(key, start, buf):
+        if os.getpid() != parent and start >= 4 * PART:  # in a worker, halfway through a file
+            os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
+        landed.append(key)
+        return real(key, start, buf)
+
+    store.read_range_into = read_range_into  # the workers inherit it
+    dest = tmp_path / "d"
+    with pytest.raises(PipelineError, match="worker process ended without reporting") as e:
+        pull_release(store, "m", dest, version="v1", processes=3, part_size=PART)
+    assert e.value.exit_code == 1 and "--processes 1" in str(e.value)
+    assert not _forked_children() and not (dest / "m/current").exists()
+    store.read_range_into = real
+    r = pull_release(store, "m", dest, version="v1", processes=3, part_size=PART)
+    assert r.reused_bytes > 0  # the killed workers' verified parts were kept
+    for name, data in files.items():
+        assert (r.path / "buckets/b1_s32" / name).read_bytes() == data
+
+
+def test_an_error_in_a_worker_reaches_the_caller_as_itself(store, tmp_path):
+    make_release(store, tmp_path, buckets={"b1_s32": _files(4)}, part_size=PART)
+    parent, real = os.getpid(), store.read_range_into
+
+    def read_range_into(key, start, buf):
+        n = real(key, start, buf)
+        if os.getpid() != parent:
+            buf[0] ^= 0xFF  # every read in a worker goes bad
+        return n
+
+    store.read_range_into = read_range_into
+    with pytest.raises(IntegrityError, match="mismatch"):
+        pull_release(store, "m", tmp_path / "d", version="v1", processes=2, part_size=PART)
+    assert not _forked_children()
+
+
+def test_workers_die_with_a_killed_pull(store, tmp_path):
+    """A SIGKILLed pull (no finally of ours runs) takes its workers with it."""
+    make_release(store, tmp_path, buckets={"b1_s32": _files(4)}, part_size=PART)
+    script = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from pipeline.store import open_store
+        from pipeline.install.pull import pull_release
+        store = open_store({store.url!r})
+        slow = store.read_range_into
+        def read_range_into(*a):
+            time.sleep(60)  # still reading when the pull is killed
+            return slow(*a)
+        store.read_range_into = read_range_into
+        pull_release(store, "m", Path({str(tmp_path / "d")!r}), version="v1", processes=2,
+                     part_size={PART})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parent.parent)
+    try:
+        workers: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            workers = [
+                int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                and f"\nPPid:\t{proc.pid}\n" in _status(p)
+            ]  # fmt: skip
+        assert len(workers) == 2, "the pull should have forked two workers"
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def _status(proc: Path) -> str:
+    try:
+        return (proc / "status").read_text()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie that a container's init may never reap)."""
+    lines = _status(Path(f"/proc/{pid}")).splitlines()
+    state = next((ln.split()[1] for ln in lines if ln.startswith("State:")), "")
+    return bool(state) and state != "Z"
+
+
+@pytest.mark.s3
+def test_workers_on_botocores_path_install_every_byte(s3_store_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("INF2_PIPELINE_S3_GETS", "botocore")
+    store = open_store(s3_store_url)
+    assert store.ranges is None
+    files = _files(6, 3 * PART)
+    make_release(store, tmp_path, buckets={"b1_s32": files}, part_size=PART)
+    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
+    for name, data in files.items():
+        assert (r.path / "buckets/b1_s32" / name).read_bytes() == data
+
+
+@pytest.mark.s3
+def test_a_worker_forgets_the_parents_connections(s3_store_url, s3_env, monkeypatch):
+    """Against S3 (keep-alive) the manifest's GET leaves a connection in botocore's pool and
+    the reader's: two workers reading one inherited socket would get each other's bytes.
+    (moto's server closes every connection, so a pull there cannot show it.)"""
+    store = open_store(s3_store_url)
+    assert store.ranges is not None
+    conn, _ = store.ranges._connection(("http", s3_env.removeprefix("http://")), "test")
+    store.ranges._local.conns = {("http", "kept"): conn}  # as a kept-alive reply leaves it
+    closed = []
+    session = store.client._endpoint.http_session
+    monkeypatch.setattr(session, "close", lambda: closed.append(True))
+    store.after_fork()
+    assert closed == [True] and not store.ranges._local.__dict__.get("conns")
+    conn.close()
+
+
+def test_processes_by_default_only_over_tls(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    tls = S3Store("b", endpoint_url="https://127.0.0.1:9")
+    by_cpus = [default_processes(tls, c) for c in (1, 2, 5, 16, 64)]
+    assert by_cpus == [1, 2, 2, 8, MAX_PULL_PROCESSES]
+    assert default_processes(S3Store("b", endpoint_url="http://127.0.0.1:9"), 16) == 1
+    botocore = S3Store("b", endpoint_url="https://127.0.0.1:9", lean_gets=False)
+    assert default_processes(botocore, 16) == 1
+    assert default_processes(LocalStore(tmp_path), 16) == 1
+    monkeypatch.delattr(os, "fork")
+    assert default_processes(tls, 16) == 1
+
+
+def test_an_exception_that_does_not_pickle_still_reaches_the_parent():
+    class Odd(Exception):
+        def __init__(self, a, b):
+            super().__init__(a)  # unpickling calls Odd(a): a TypeError
+
+    e = _picklable(Odd("x", "y"))
+    assert isinstance(e, PipelineError) and "Odd: x" in str(e)
+    kept = IntegrityError("f", "bad")
+    assert _picklable(kept) is kept
