@@ -132,10 +132,11 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
     --s5cmd .devrun/bin/s5cmd --out "$R/pull16.json"
 }
 # the same over TLS, as S3 is reached (the certificate in .devrun/tls, made by
-# prepare_device_bench.sh: the device image may lack openssl)
+# prepare_device_bench.sh: the device image may lack openssl); by default the pull as it is
+# (worker processes over https since 2026-12-07) beside one process (lean-one)
 stage_pulltls() {
   stage pulltls 240 python3 bench/bench_pull.py --gib 16 --shapes 4,64 \
-    --pulls "${PULLS_TLS:-lean}" --tls --tls-dir .devrun/tls \
+    --pulls "${PULLS_TLS:-lean,lean-one}" --tls --tls-dir .devrun/tls \
     --skip curl,boto3,gil,stages --best-of 1 --nginx .devrun/bin/nginx-wrap \
     --s5cmd .devrun/bin/s5cmd --out "$R/pull16-tls.json"
 }

@@ -289,3 +289,26 @@ def test_an_exception_that_does_not_pickle_still_reaches_the_parent():
     assert isinstance(e, PipelineError) and "Odd: x" in str(e)
     kept = IntegrityError("f", "bad")
     assert _picklable(kept) is kept
+
+
+def test_a_worker_that_cannot_start_is_one_line_and_nothing_is_left_running(
+    tmp_path, monkeypatch
+):
+    store = LocalStore(tmp_path / "store")
+    make_release(store, tmp_path, buckets={"b1_s32": _files(4)}, part_size=PART)
+    real, forks = os.fork, []
+
+    def fork():  # the first worker starts, the second hits the pids limit
+        if forks:
+            raise BlockingIOError(11, "Resource temporarily unavailable")
+        forks.append(real())
+        return forks[-1]
+
+    monkeypatch.setattr(os, "fork", fork)
+    r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "d"),
+                            "--store", str(tmp_path / "store"), "--processes", "3"])  # fmt: skip
+    monkeypatch.setattr(os, "fork", real)
+    assert r.exit_code == 1, r.output
+    assert "cannot start a worker process: Resource temporarily unavailable" in r.stderr
+    assert "--processes 1" in r.stderr and r.stderr.count("\n") == 1
+    assert not _forked_children()

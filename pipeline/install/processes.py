@@ -108,11 +108,19 @@ class WorkerProcesses:
                 setattr(self, name, getattr(self, name) + n)
 
     def _fork(self, group: list[tuple[Path, FileRef]], threads: int) -> _Child:
-        r, w = os.pipe()
         parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()  # nothing buffered is written twice
-        pid = os.fork()
+        try:
+            r, w = os.pipe()
+        except OSError as e:
+            raise _cannot_start(e) from None
+        try:
+            pid = os.fork()
+        except OSError as e:  # the container's pids limit, or memory
+            os.close(r)
+            os.close(w)
+            raise _cannot_start(e) from None
         if pid == 0:  # the child: never returns
             os.close(r)
             _child_main(self, group, threads, w, parent)
@@ -158,6 +166,14 @@ class WorkerProcesses:
                 os.waitpid(child.pid, 0)
             with contextlib.suppress(OSError):
                 os.close(child.fd)
+
+
+def _cannot_start(e: OSError) -> PipelineError:
+    return PipelineError(
+        "pull",
+        f"cannot start a worker process: {e.strerror or e}",
+        "pull with --processes 1, or raise the container's pids or memory limit",
+    )
 
 
 def _messages(data: bytearray) -> list[tuple[str, object]]:
