@@ -291,9 +291,7 @@ def test_an_exception_that_does_not_pickle_still_reaches_the_parent():
     assert _picklable(kept) is kept
 
 
-def test_a_worker_that_cannot_start_is_one_line_and_nothing_is_left_running(
-    tmp_path, monkeypatch
-):
+def test_a_worker_that_cannot_start_is_one_line_and_nothing_is_left_running(tmp_path, monkeypatch):
     store = LocalStore(tmp_path / "store")
     make_release(store, tmp_path, buckets={"b1_s32": _files(4)}, part_size=PART)
     real, forks = os.fork, []
