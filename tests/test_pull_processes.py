@@ -22,8 +22,9 @@ from pipeline.cli import app
 from pipeline.contracts.store_layout import blob_key
 from pipeline.errors import IntegrityError, PipelineError
 from pipeline.install import pull as pull_module
+from pipeline.install.fetcher import Fetcher, Share
 from pipeline.install.landing import PART_RETRIES
-from pipeline.install.processes import _picklable, split_by_bytes
+from pipeline.install.processes import _picklable, plan
 from pipeline.install.pull import default_processes, pull_release
 from pipeline.store import open_store
 from pipeline.store.local import LocalStore
@@ -61,17 +62,71 @@ def _forked_children() -> list[int]:
     return out
 
 
-def _ref(size: int) -> FileRef:
-    return FileRef(path=f"f{size}", size=size, sha256="0" * 64)
+def _ref(size: int, parts: bool = True) -> FileRef:
+    n = -(-size // PART)
+    return FileRef(
+        path=f"f{size}",
+        size=size,
+        sha256="0" * 64,
+        part_size=PART if parts else None,
+        parts=["0" * 64] * n if parts else None,
+    )
 
 
-def test_files_are_split_by_bytes_largest_first_and_no_group_is_empty():
-    jobs = [(Path(f"f{s}"), _ref(s)) for s in (100, 90, 50, 40, 10, 5)]
-    groups = split_by_bytes(jobs, 3)
-    assert [sum(r.size for _, r in g) for g in groups] == [100, 100, 95]
-    assert sorted(r.size for g in groups for _, r in g) == [5, 10, 40, 50, 90, 100]
-    assert len(split_by_bytes(jobs[:2], 8)) == 2  # no more processes than files
-    assert split_by_bytes(jobs, 1) == [sorted(jobs, key=lambda j: -j[1].size)]
+def test_ranges_are_dealt_by_bytes_and_files_checked_whole_go_whole(tmp_path):
+    """A huge file is landed by every process; a file checked whole, or of one range,
+    goes whole to one; the bytes come out even."""
+    huge, small, whole = _ref(12 * PART), _ref(PART), _ref(3 * PART, parts=False)
+    jobs = [(tmp_path / "huge", huge), (tmp_path / "small", small), (tmp_path / "whole", whole)]
+    fetcher = Fetcher(LocalStore(tmp_path / "s"), 1, PART, "parts")
+    plans, installs = plan(jobs, 3, fetcher)
+    assert installs == [(tmp_path / "huge", huge)]
+    assert sorted(p.bytes for p in plans) == [5 * PART, 5 * PART, 6 * PART]
+    none = Share(frozenset(), False)
+    huge_starts = [s for p in plans for s in p.shares.get(tmp_path / "huge", none).starts]
+    assert sorted(huge_starts) == [i * PART for i in range(12)]  # each range once
+    assert all(tmp_path / "huge" in p.shares for p in plans)  # every process lands some
+    for name in ("small", "whole"):  # whole, in one process, not shared
+        holders = [p for p in plans if (tmp_path / name, _find(jobs, name)) in p.jobs]
+        assert len(holders) == 1 and tmp_path / name not in holders[0].shares
+    full = Fetcher(LocalStore(tmp_path / "s"), 1, PART, "full")
+    assert plan(jobs, 3, full)[1] == []  # --verify full: every file checked whole
+    assert len(plan(jobs, 8, fetcher)[0]) == 8  # 16 ranges and files: 8 processes
+
+
+def _find(jobs, name):
+    return next(r for t, r in jobs if t.name == name)
+
+
+def test_a_shared_file_resumes_only_at_full_size_and_a_stale_one_is_removed(tmp_path):
+    huge = _ref(4 * PART)
+    fetcher = Fetcher(LocalStore(tmp_path / "s"), 1, PART, "parts")
+    tmp = tmp_path / ".huge.incomplete"
+    tmp.write_bytes(b"x" * (4 * PART))  # a killed pull's full-size temporary file
+    plans, _ = plan([(tmp_path / "huge", huge)], 2, fetcher)
+    assert all(p.shares[tmp_path / "huge"].resume for p in plans) and tmp.exists()
+    tmp.write_bytes(b"stale")  # not full size: no process may keep its bytes
+    plans, _ = plan([(tmp_path / "huge", huge)], 2, fetcher)
+    assert not any(p.shares[tmp_path / "huge"].resume for p in plans) and not tmp.exists()
+
+
+def test_one_huge_file_is_landed_by_every_worker(store, tmp_path):
+    big = os.urandom(24 * PART + 5)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"weights.bin": big}}, part_size=PART)
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    log, real = tmp_path / "readers", store.read_range_into
+
+    def read_range_into(k, start, buf):
+        if k == key:
+            with open(log, "a") as f:  # one short append a call: whole lines from any process
+                f.write(f"{os.getpid()}\n")
+        return real(k, start, buf)
+
+    store.read_range_into = read_range_into
+    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
+    assert (r.path / "buckets/b1_s32/weights.bin").read_bytes() == big
+    assert r.processes == 3 and len(set(log.read_text().split())) == 3
+    assert not list((tmp_path / "d").rglob("*.incomplete"))
 
 
 def test_workers_install_every_byte_and_report_one_progress(store, tmp_path, monkeypatch):
@@ -94,10 +149,11 @@ def test_workers_install_every_byte_and_report_one_progress(store, tmp_path, mon
     assert not list(r.path.rglob("*.incomplete")) and not _forked_children()
 
 
-def test_fewer_files_than_processes_use_a_process_a_file(store, tmp_path):
-    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": os.urandom(3 * PART)}})
-    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=8)
-    assert r.processes == 2  # w.bin and config.json
+def test_no_more_workers_than_ranges(store, tmp_path):
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": os.urandom(3 * PART)}},
+                 part_size=PART)  # fmt: skip
+    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=8, part_size=PART)
+    assert r.processes == 4  # w.bin's 3 ranges and config.json
 
 
 @pytest.mark.s3
@@ -159,7 +215,8 @@ def test_a_killed_worker_fails_the_pull_then_a_pull_resumes(store, tmp_path):
     store.read_range_into = read_range_into  # the workers inherit it
     dest = tmp_path / "d"
     with pytest.raises(PipelineError, match="worker process ended without reporting") as e:
-        pull_release(store, "m", dest, version="v1", processes=3, part_size=PART)
+        # one thread a worker: its ranges before the one it dies at have landed
+        pull_release(store, "m", dest, version="v1", processes=3, concurrency=3, part_size=PART)
     assert e.value.exit_code == 1 and "--processes 1" in str(e.value)
     assert not _forked_children() and not (dest / "m/current").exists()
     store.read_range_into = real

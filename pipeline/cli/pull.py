@@ -43,7 +43,7 @@ def pull(
         typer.Option(
             min=1,
             max=64,
-            help="Worker processes the files are shared out to, --concurrency ranges in "
+            help="Worker processes the ranges are shared out to, --concurrency ranges in "
             "flight across them (default: over https one per 2 available CPUs, 2 to 8: a "
             "TLS read takes the GIL back every 16 KiB; else 1).",
             show_default=False,

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 from pipeline._progress import ByteProgress
 from pipeline.contracts.store_layout import blob_key
@@ -41,6 +41,15 @@ FILES_IN_TURN = 64
 Verify = Literal["parts", "full"]
 
 
+@dataclass(frozen=True)
+class Share:
+    """The ranges of a file that this process lands, where other processes land the rest
+    (``pipeline.install.processes``): it neither checks the file whole nor installs it."""
+
+    starts: frozenset[int]  # the ranges' offsets
+    resume: bool  # decided by the caller before any process opened the file
+
+
 def _size(path: Path) -> int | None:
     try:
         return path.stat().st_size
@@ -60,6 +69,7 @@ class _File:
     attempts: int = 0  # whole-file re-fetches so far
     # A killed pull's full-size temporary file: ranges whose parts already verify are kept.
     resume: bool = False
+    shared: bool = False  # other processes land its other ranges (a Share)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -101,20 +111,35 @@ class Fetcher:
         self._open_files = 0
         self._error: BaseException | None = None
 
+    def ranges(self, ref: FileRef) -> list[tuple[int, int]]:
+        """The file's ranges, (offset, length) each."""
+        step = self.range_size(ref)
+        return [(o, min(step, ref.size - o)) for o in range(0, ref.size, step)]
+
     def range_size(self, ref: FileRef) -> int:
         """``part_size`` rounded to a whole number (≥ 1) of the manifest's parts."""
         if ref.part_size is None:
             return self.part_size
         return max(1, round(self.part_size / ref.part_size)) * ref.part_size
 
-    def fetch_all(self, jobs: list[tuple[Path, FileRef]], progress: ByteProgress) -> None:
+    def fetch_all(
+        self,
+        jobs: list[tuple[Path, FileRef]],
+        progress: ByteProgress,
+        shares: dict[Path, Share] | None = None,
+    ) -> None:
+        """Land and install every file of ``jobs``; of a file in ``shares``, land only the
+        ranges named there, into its temporary file, and leave it for the caller."""
         self.progress = progress
         files = []
         for target, ref in jobs:
             target.parent.mkdir(parents=True, exist_ok=True)
-            step = self.range_size(ref)
-            f = _File(target, ref, [(o, min(step, ref.size - o)) for o in range(0, ref.size, step)])
+            share = (shares or {}).get(target)
+            f = _File(target, ref, self.ranges(ref))
             f.resume = ref.parts is not None and _size(f.tmp) == ref.size
+            if share is not None:
+                f.ranges = [r for r in f.ranges if r[0] in share.starts]
+                f.resume, f.shared = share.resume, True
             if not f.ranges:
                 self._empty(f)
             else:
@@ -187,7 +212,10 @@ class Fetcher:
         pages), and its other ranges should be on the wire meanwhile, not waiting here."""
         with f.lock, local_write(f.tmp):
             if f.fd is None:
-                f.fd = os.open(f.tmp, os.O_RDWR) if f.resume else preallocated(f.tmp, f.ref.size)
+                if f.resume:
+                    f.fd = os.open(f.tmp, os.O_RDWR)
+                else:  # a shared file: another process may have made it and written to it
+                    f.fd = preallocated(f.tmp, f.ref.size, truncate=not f.shared)
             return f.fd
 
     def _landed(self, f: _File, length: int) -> None:
@@ -200,7 +228,7 @@ class Fetcher:
 
     def _finish(self, f: _File) -> None:
         assert f.fd is not None
-        if f.checked_whole(self.verify):
+        if not f.shared and f.checked_whole(self.verify):
             digest = sha256_fd(f.fd, f.ref.size)
             if digest != f.ref.sha256:
                 self._count_file_refetch(f, digest)
@@ -209,7 +237,8 @@ class Fetcher:
                 return
         os.close(f.fd)
         f.fd = None
-        os.replace(f.tmp, f.target)
+        if not f.shared:  # else the caller installs it once every process landed its share
+            os.replace(f.tmp, f.target)
         with self._idle:
             self._open_files -= 1
             self._idle.notify_all()
@@ -244,9 +273,14 @@ def _start(thread: threading.Thread) -> None:
         ) from None
 
 
-def interleaved(
-    files: list[_File], window: int = FILES_IN_TURN
-) -> Iterator[tuple[_File, tuple[int, int]]]:
+class _HasRanges(Protocol):
+    ranges: list[tuple[int, int]]
+
+
+F = TypeVar("F", bound=_HasRanges)
+
+
+def interleaved(files: list[F], window: int = FILES_IN_TURN) -> Iterator[tuple[F, tuple[int, int]]]:
     """Every file's ranges, one range of each of ``window`` files in turn (the next file
     taking the place of one whose ranges are done): the threads spread over the large files
     instead of all writing into one. Writes into one file serialise on its inode lock

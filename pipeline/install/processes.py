@@ -1,4 +1,4 @@
-"""The pull's files shared out to worker processes, each landing its share with a
+"""The pull's ranges shared out to worker processes, each landing its share with a
 ``Fetcher`` of its own threads (``pipeline.install.fetcher``): a GIL each.
 
 Why: over TLS a Python socket read returns one 16 KiB record and takes the GIL back for the
@@ -9,11 +9,15 @@ in flight faster than 32, and 4, 8 and 16 forked processes 2.7-2.9, 3.1-3.8 and 
 GIL-bound (4 processes: 1.2x for 2.2x the memory), so the store decides
 (``Store.pull_processes``).
 
-The files are split by bytes, largest first, so a release of a few huge files gets as many
-processes as files. Each child is forked before the progress bar's thread starts, sends its
-progress and its end (counts, or the exception, pickled) on a pipe of its own, and dies with
-the parent (``PR_SET_PDEATHSIG``). The first failure ends the others: what they landed is
-verified parts only, which the next pull resumes from (as after a SIGKILL)."""
+The ranges of every file checked part by part are dealt out by bytes, one of each file in
+turn, so one huge file (a cuda release's weights) is landed by every process; each process
+lands its ranges into the file's temporary file, and the pull installs the file once all
+have. A file checked whole (no part digests, ``--verify full``) or of one range goes whole
+to one process, which checks and installs it as one process's pull does. Each child is
+forked before the progress bar's thread starts, sends its progress and its end (counts, or
+the exception, pickled) on a pipe of its own, and dies with the parent
+(``PR_SET_PDEATHSIG``). The first failure ends the others: what they landed is verified
+parts only, which the next pull resumes from (as after a SIGKILL)."""
 
 from __future__ import annotations
 
@@ -26,12 +30,14 @@ import signal
 import struct
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline._progress import ByteProgress
 from pipeline.errors import PipelineError
-from pipeline.install.fetcher import Fetcher, Verify
+from pipeline.install.fetcher import Fetcher, Share, Verify, interleaved
+from pipeline.install.installed import TEMPORARY_SUFFIX
 from pipeline.store.base import Store
 from pipeline.store.refs import FileRef
 
@@ -40,16 +46,72 @@ _HEAD = struct.Struct("!I")  # a message's length; then its pickle
 PR_SET_PDEATHSIG = 1
 
 
-def split_by_bytes(jobs: list[tuple[Path, FileRef]], n: int) -> list[list[tuple[Path, FileRef]]]:
-    """``jobs`` in at most ``n`` groups of about equal bytes (largest file first, each to the
-    lightest group); no group is empty."""
-    groups: list[list[tuple[Path, FileRef]]] = [[] for _ in range(max(1, n))]
-    sizes = [0] * len(groups)
-    for job in sorted(jobs, key=lambda j: -j[1].size):
-        k = sizes.index(min(sizes))
-        groups[k].append(job)
-        sizes[k] += job[1].size
-    return [g for g in groups if g]
+Job = tuple[Path, FileRef]
+
+
+@dataclass
+class Plan:
+    """What one worker process lands: its jobs, and of the shared files its ranges."""
+
+    jobs: list[Job] = field(default_factory=list)
+    shares: dict[Path, Share] = field(default_factory=dict)
+    bytes: int = 0
+
+
+def plan(jobs: list[Job], n: int, fetcher: Fetcher) -> tuple[list[Plan], list[Job]]:
+    """``jobs`` shared out to at most ``n`` processes, about equal bytes each, and the files
+    shared by range (the caller installs those once every process is done). A file checked
+    part by part with more than one range is shared by range, its ranges dealt one of each
+    file in turn (``interleaved``) to the process with the fewest bytes; any other file
+    goes whole to the process with the fewest bytes, largest first."""
+    plans = [Plan() for _ in range(max(1, n))]
+    whole, split = [], []
+    for target, ref in jobs:
+        ranges = fetcher.ranges(ref)
+        if len(ranges) > 1 and ref.parts is not None and fetcher.verify == "parts":
+            split.append((target, ref, ranges))
+        else:
+            whole.append((target, ref))
+    for target, ref in sorted(whole, key=lambda j: -j[1].size):
+        least = min(plans, key=lambda p: p.bytes)
+        least.jobs.append((target, ref))
+        least.bytes += ref.size
+    starts: list[dict[Path, set[int]]] = [{} for _ in plans]
+    for target, (start, length) in _turns(split):
+        k = min(range(len(plans)), key=lambda i: plans[i].bytes)
+        starts[k].setdefault(target, set()).add(start)
+        plans[k].bytes += length
+    for target, ref, _ in split:
+        tmp = target.with_name(f".{target.name}{TEMPORARY_SUFFIX}")
+        resume = _size(tmp) == ref.size  # decided once, before any process opens it
+        if not resume:
+            tmp.unlink(missing_ok=True)  # each process opens it without truncating
+        for k, p in enumerate(plans):
+            if target in starts[k]:
+                p.jobs.append((target, ref))
+                p.shares[target] = Share(frozenset(starts[k][target]), resume)
+    return [p for p in plans if p.jobs], [(t, r) for t, r, _ in split]
+
+
+@dataclass(frozen=True)
+class _Ranges:
+    target: Path
+    ranges: list[tuple[int, int]]
+
+
+def _turns(
+    split: list[tuple[Path, FileRef, list[tuple[int, int]]]],
+) -> Iterator[tuple[Path, tuple[int, int]]]:
+    """Every shared file's ranges, one of each file in turn, as (target, range)."""
+    for f, r in interleaved([_Ranges(t, rs) for t, _, rs in split]):
+        yield f.target, r
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 @dataclass
@@ -72,20 +134,27 @@ class WorkerProcesses:
         for name in COUNTS:
             setattr(self, name, 0)
         self._children: list[_Child] = []
+        self._installs: list[Job] = []  # files shared by range: installed here at the end
         self._stopped = False
         self._first_error: BaseException | None = None
 
-    def start(self, jobs: list[tuple[Path, FileRef]]) -> None:
-        groups = split_by_bytes(jobs, self.processes)
-        threads = max(1, self.concurrency // max(1, len(groups)))
+    @property
+    def started(self) -> int:
+        """The worker processes started (no more than there are ranges)."""
+        return len(self._children)
+
+    def start(self, jobs: list[Job]) -> None:
+        lay = Fetcher(self.store, 1, self.part_size, self.verify)  # its ranges, its checks
+        plans, self._installs = plan(jobs, self.processes, lay)
+        threads = max(1, self.concurrency // max(1, len(plans)))
         try:
-            for group in groups:
-                self._children.append(self._fork(group, threads))
+            for p in plans:
+                self._children.append(self._fork(p, threads))
         except BaseException:
             self._stop()
             raise
 
-    def fetch_all(self, jobs: list[tuple[Path, FileRef]], progress: ByteProgress) -> None:
+    def fetch_all(self, jobs: list[Job], progress: ByteProgress) -> None:
         if not self._children:
             self.start(jobs)
         if self._stopped:
@@ -106,8 +175,10 @@ class WorkerProcesses:
             assert child.end is not None
             for name, n in zip(COUNTS, child.end[1], strict=True):  # type: ignore[call-overload]
                 setattr(self, name, getattr(self, name) + n)
+        for target, _ in self._installs:  # every range of it landed and verified
+            os.replace(target.with_name(f".{target.name}{TEMPORARY_SUFFIX}"), target)
 
-    def _fork(self, group: list[tuple[Path, FileRef]], threads: int) -> _Child:
+    def _fork(self, work: Plan, threads: int) -> _Child:
         parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()  # nothing buffered is written twice
@@ -123,7 +194,7 @@ class WorkerProcesses:
             raise _cannot_start(e) from None
         if pid == 0:  # the child: never returns
             os.close(r)
-            _child_main(self, group, threads, w, parent)
+            _child_main(self, work, threads, w, parent)
         os.close(w)
         return _Child(pid, r)
 
@@ -206,9 +277,7 @@ class _PipeProgress(ByteProgress):
                 msg = msg[os.write(self.fd, msg) :]
 
 
-def _child_main(
-    procs: WorkerProcesses, group: list[tuple[Path, FileRef]], threads: int, w: int, parent: int
-) -> None:
+def _child_main(procs: WorkerProcesses, work: Plan, threads: int, w: int, parent: int) -> None:
     code = 1
     try:
         # dies with the parent, however the parent ends (not Linux: the parent still kills
@@ -222,7 +291,7 @@ def _child_main(
         try:
             procs.store.after_fork()
             fetcher = Fetcher(procs.store, threads, procs.part_size, procs.verify)
-            fetcher.fetch_all(group, out)
+            fetcher.fetch_all(work.jobs, out, work.shares)
             end: tuple[str, object] = ("done", [getattr(fetcher, n) for n in COUNTS])
             code = 0
         except BaseException as e:  # every failure goes to the parent
@@ -240,4 +309,4 @@ def _picklable(e: BaseException) -> BaseException:
         return PipelineError("pull", f"{type(e).__name__}: {e}", None)
 
 
-__all__ = ["WorkerProcesses", "split_by_bytes"]
+__all__ = ["Plan", "WorkerProcesses", "plan"]

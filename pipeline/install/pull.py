@@ -11,7 +11,7 @@ install. See docs/pull.md for the flags, the defaults and why.
 * Over plain HTTP one process: its threads hold the GIL about 0.04-0.05 s per GB landed
   (large socket reads), and worker processes gave 1.2x for 2.2x the memory on 16 cores.
   Over TLS (S3 itself) each read is one 16 KiB record that takes the GIL back, and one
-  process landed ~1 GB/s on 16 cores: there the files are shared out to worker processes
+  process landed ~1 GB/s on 16 cores: there the ranges are shared out to worker processes
   (``pipeline.install.processes``; ``processes``, chosen by the store; docs/pull.md).
 * A bad part (wrong bytes, short read) is fetched again, alone, up to ``PART_RETRIES`` times.
   The whole-file sha256 (the blob's name) is checked where it costs nothing extra (a file of
@@ -204,10 +204,11 @@ def _pull_into(
             fetching.add(ref.sha256)
     reused = total - sum(ref.size for _, ref in fetch)
     fetcher: Fetcher | WorkerProcesses
-    processes = min(result.processes, len(fetch))
+    processes = result.processes if fetch else 1
     if processes > 1:  # forked before the progress bar's thread exists
         fetcher = WorkerProcesses(store, processes, concurrency, part_size, verify)
         fetcher.start(fetch)
+        processes = fetcher.started
     else:
         fetcher = Fetcher(store, concurrency, part_size, verify)
     try:
