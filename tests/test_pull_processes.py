@@ -47,7 +47,8 @@ def _files(n: int = 7, size: int = 5 * PART) -> dict[str, bytes]:
 
 
 def _forked_children() -> list[int]:
-    """Our children that are forks of this process (same command line): the workers."""
+    """Our children that are forks of this process (same command line) or zombies (a
+    zombie has none): workers left running or not reaped."""
     me, mine = str(os.getpid()), Path("/proc/self/cmdline").read_bytes()
     out = []
     for proc in Path("/proc").iterdir():
@@ -55,7 +56,8 @@ def _forked_children() -> list[int]:
             continue
         try:
             status = (proc / "status").read_text()
-            if f"\nPPid:\t{me}\n" in status and (proc / "cmdline").read_bytes() == mine:
+            zombie = "\nState:\tZ" in status
+            if f"\nPPid:\t{me}\n" in status and (zombie or (proc / "cmdline").read_bytes() == mine):
                 out.append(int(proc.name))
         except OSError:
             continue
@@ -98,7 +100,7 @@ def _find(jobs, name):
     return next(r for t, r in jobs if t.name == name)
 
 
-def test_a_shared_file_resumes_only_at_full_size_and_a_stale_one_is_removed(tmp_path):
+def test_a_shared_file_resumes_only_at_full_size_and_is_made_before_the_fork(tmp_path):
     huge = _ref(4 * PART)
     fetcher = Fetcher(LocalStore(tmp_path / "s"), 1, PART, "parts")
     tmp = tmp_path / ".huge.incomplete"
@@ -107,7 +109,8 @@ def test_a_shared_file_resumes_only_at_full_size_and_a_stale_one_is_removed(tmp_
     assert all(p.shares[tmp_path / "huge"].resume for p in plans) and tmp.exists()
     tmp.write_bytes(b"stale")  # not full size: no process may keep its bytes
     plans, _ = plan([(tmp_path / "huge", huge)], 2, fetcher)
-    assert not any(p.shares[tmp_path / "huge"].resume for p in plans) and not tmp.exists()
+    assert not any(p.shares[tmp_path / "huge"].resume for p in plans)
+    assert tmp.read_bytes() == bytes(4 * PART)  # made anew at full size, before any fork
 
 
 def test_one_huge_file_is_landed_by_every_worker(store, tmp_path):
@@ -154,6 +157,9 @@ def test_no_more_workers_than_ranges(store, tmp_path):
                  part_size=PART)  # fmt: skip
     r = pull_release(store, "m", tmp_path / "d", version="v1", processes=8, part_size=PART)
     assert r.processes == 4  # w.bin's 3 ranges and config.json
+    r = pull_release(store, "m", tmp_path / "e", version="v1", processes=8, concurrency=2,
+                     part_size=PART)  # fmt: skip
+    assert r.processes == 2  # no more than ranges in flight
 
 
 @pytest.mark.s3
@@ -221,7 +227,8 @@ def test_a_killed_worker_fails_the_pull_then_a_pull_resumes(store, tmp_path):
     assert not _forked_children() and not (dest / "m/current").exists()
     store.read_range_into = real
     r = pull_release(store, "m", dest, version="v1", processes=3, part_size=PART)
-    assert r.reused_bytes > 0  # the killed workers' verified parts were kept
+    assert r.reused_bytes >= PART  # the killed workers' verified parts, not just a small file
+    assert r.downloaded_bytes < sum(len(d) for d in files.values())
     for name, data in files.items():
         assert (r.path / "buckets/b1_s32" / name).read_bytes() == data
 
@@ -260,8 +267,8 @@ def test_workers_die_with_a_killed_pull(store, tmp_path):
                      part_size={PART})
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parent.parent)
+    workers: list[int] = []
     try:
-        workers: list[int] = []
         deadline = time.monotonic() + 60
         while len(workers) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -274,9 +281,14 @@ def test_workers_die_with_a_killed_pull(store, tmp_path):
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
-        time.sleep(0.05)
-    assert not any(_alive(pid) for pid in workers)
+    try:
+        while time.monotonic() < deadline and any(_alive(pid) for pid in workers):
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in workers)
+    finally:  # a failing run leaves nothing behind either
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _status(proc: Path) -> str:
@@ -367,3 +379,40 @@ def test_a_worker_that_cannot_start_is_one_line_and_nothing_is_left_running(tmp_
     assert "cannot start a worker process: Resource temporarily unavailable" in r.stderr
     assert "--processes 1" in r.stderr and r.stderr.count("\n") == 1
     assert not _forked_children()
+
+
+def test_a_failing_worker_ends_its_blocked_siblings_at_once(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    make_release(store, tmp_path, buckets={"b1_s32": _files(4, 8 * PART)}, part_size=PART)
+    parent, real = os.getpid(), store.read_range_into
+    forks = tmp_path / "forks"
+
+    def read_range_into(key, start, buf):
+        if os.getpid() != parent:
+            with open(forks, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            first = forks.read_text().split()[0]
+            if str(os.getpid()) == first:
+                raise IntegrityError(key, "bad bytes")  # the first worker to read fails
+            time.sleep(60)  # the others would block for a minute
+        return real(key, start, buf)
+
+    store.read_range_into = read_range_into
+    t = time.monotonic()
+    with pytest.raises(IntegrityError, match="bad bytes"):
+        pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
+    assert time.monotonic() - t < 30 and not _forked_children()
+
+
+class _Recording(LocalStore):
+    def after_fork(self) -> None:  # in each worker: one line
+        with open(self.root.parent / "after_fork", "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def test_every_worker_drops_what_it_inherited_before_its_first_read(tmp_path):
+    store = _Recording(tmp_path / "store")
+    make_release(store, tmp_path, buckets={"b1_s32": _files(4)}, part_size=PART)
+    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
+    pids = (tmp_path / "after_fork").read_text().split()
+    assert r.processes == 3 and len(set(pids)) == 3 and str(os.getpid()) not in pids

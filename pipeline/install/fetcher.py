@@ -212,10 +212,10 @@ class Fetcher:
         pages), and its other ranges should be on the wire meanwhile, not waiting here."""
         with f.lock, local_write(f.tmp):
             if f.fd is None:
-                if f.resume:
+                if f.resume or f.shared:  # a shared one: made by the caller, before the fork
                     f.fd = os.open(f.tmp, os.O_RDWR)
-                else:  # a shared file: another process may have made it and written to it
-                    f.fd = preallocated(f.tmp, f.ref.size, truncate=not f.shared)
+                else:
+                    f.fd = preallocated(f.tmp, f.ref.size)
             return f.fd
 
     def _landed(self, f: _File, length: int) -> None:

@@ -194,13 +194,10 @@ def _pwrite(path: str, fd: int, data: memoryview, offset: int) -> None:
             data, offset = data[n:], offset + n
 
 
-def preallocated(path: Path, size: int, truncate: bool = True) -> int:
+def preallocated(path: Path, size: int) -> int:
     """A new temporary file of ``size`` bytes, opened for ``pwrite``. Blocks are reserved
-    where the filesystem can (no fragmentation, ENOSPC now rather than mid-pull).
-    ``truncate=False``: kept as it is if another process made it first (and wrote into it:
-    reserving blocks changes no byte)."""
-    trunc = os.O_TRUNC if truncate else 0
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | trunc, FILE_MODE)
+    where the filesystem can (no fragmentation, ENOSPC now rather than mid-pull)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
         try:
             os.posix_fallocate(fd, 0, size)

@@ -38,6 +38,7 @@ from pipeline._progress import ByteProgress
 from pipeline.errors import PipelineError
 from pipeline.install.fetcher import Fetcher, Share, Verify, interleaved
 from pipeline.install.installed import TEMPORARY_SUFFIX
+from pipeline.install.landing import local_write, preallocated
 from pipeline.store.base import Store
 from pipeline.store.refs import FileRef
 
@@ -84,8 +85,12 @@ def plan(jobs: list[Job], n: int, fetcher: Fetcher) -> tuple[list[Plan], list[Jo
     for target, ref, _ in split:
         tmp = target.with_name(f".{target.name}{TEMPORARY_SUFFIX}")
         resume = _size(tmp) == ref.size  # decided once, before any process opens it
-        if not resume:
-            tmp.unlink(missing_ok=True)  # each process opens it without truncating
+        if not resume:  # made here, once: where the filesystem has no fallocate, glibc's
+            # stand-in writes a byte into every block, which would race another process's
+            # verified parts (every process opens it as it is)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with local_write(tmp):
+                os.close(preallocated(tmp, ref.size))
         for k, p in enumerate(plans):
             if target in starts[k]:
                 p.jobs.append((target, ref))
@@ -145,11 +150,12 @@ class WorkerProcesses:
 
     def start(self, jobs: list[Job]) -> None:
         lay = Fetcher(self.store, 1, self.part_size, self.verify)  # its ranges, its checks
-        plans, self._installs = plan(jobs, self.processes, lay)
-        threads = max(1, self.concurrency // max(1, len(plans)))
+        # no more processes than ranges in flight, which stay --concurrency in all
+        plans, self._installs = plan(jobs, min(self.processes, self.concurrency), lay)
+        each, extra = divmod(max(self.concurrency, len(plans)), len(plans))
         try:
-            for p in plans:
-                self._children.append(self._fork(p, threads))
+            for i, p in enumerate(plans):
+                self._children.append(self._fork(p, each + (i < extra)))
         except BaseException:
             self._stop()
             raise
@@ -186,15 +192,25 @@ class WorkerProcesses:
             r, w = os.pipe()
         except OSError as e:
             raise _cannot_start(e) from None
+        # Ctrl-C or SIGTERM between the fork and the child's own handling would unwind the
+        # parent's stack in the child: both wait until each side is ready for them
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             pid = os.fork()
         except OSError as e:  # the container's pids limit, or memory
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             os.close(r)
             os.close(w)
             raise _cannot_start(e) from None
         if pid == 0:  # the child: never returns
-            os.close(r)
-            _child_main(self, work, threads, w, parent)
+            try:
+                os.close(r)
+                for sibling in self._children:  # their read ends: not ours to hold
+                    os.close(sibling.fd)
+                _child_main(self, work, threads, w, parent, blocked)
+            finally:
+                os._exit(1)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(w)
         return _Child(pid, r)
 
@@ -202,13 +218,18 @@ class WorkerProcesses:
         """Read every child's messages until each has closed its pipe; the first failure
         ends the others."""
         open_fds = {c.fd: c for c in self._children}
+        poller = select.poll()
+        for fd in open_fds:
+            poller.register(fd, select.POLLIN)
         while open_fds:
-            ready, _, _ = select.select(list(open_fds), [], [])
-            for fd in ready:
+            for fd, _ in poller.poll():
+                if fd not in open_fds:
+                    continue
                 child = open_fds[fd]
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     del open_fds[fd]
+                    poller.unregister(fd)
                     if child.end is None or child.end[0] != "done":
                         return  # failed, or died without a word: stop the others
                     continue
@@ -277,7 +298,9 @@ class _PipeProgress(ByteProgress):
                 msg = msg[os.write(self.fd, msg) :]
 
 
-def _child_main(procs: WorkerProcesses, work: Plan, threads: int, w: int, parent: int) -> None:
+def _child_main(
+    procs: WorkerProcesses, work: Plan, threads: int, w: int, parent: int, mask: set
+) -> None:
     code = 1
     try:
         # dies with the parent, however the parent ends (not Linux: the parent still kills
@@ -287,6 +310,8 @@ def _child_main(procs: WorkerProcesses, work: Plan, threads: int, w: int, parent
         if os.getppid() != parent:  # the parent ended before the line above
             os._exit(1)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the parent set: just end
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         out = _PipeProgress(w)
         try:
             procs.store.after_fork()

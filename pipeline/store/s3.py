@@ -97,7 +97,7 @@ ClientFactory = Callable[..., Any]
 
 
 # Worker processes a pull over TLS may use (``pull_processes``): 8 landed 3.1-3.8 GB/s and
-# 16 4.2 on 16 cores, for ~190 MiB more memory each (bench/RESULTS.md, 2026-12-07).
+# 16 4.2 on 16 cores; each adds its interpreter, ~50-60 MiB (bench/RESULTS.md, 2026-12-07).
 MAX_PULL_PROCESSES = 8
 
 
