@@ -827,6 +827,9 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 experiment = {"INF2_BENCH_S5CMD": str(Path(args.s5cmd).resolve())}
                 if workers := gets.removeprefix("lean-s5cmd"):
                     experiment["INF2_BENCH_S5CMD_ARGS"] = f"--numworkers {workers}"
+            if experiment and "INF2_BENCH_PULL_PROCESSES" not in experiment:
+                # an experiment changes one process's landing: measured in one, as before
+                experiment["INF2_BENCH_PULL_PROCESSES"] = "1"
             gets, version = _gets_and_version(gets)
             out = subprocess.run(
                 [sys.executable, "-c", PULL, f"s3://{BUCKET}/store?addressing_style=path",

@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.contracts.store_layout import blob_key
 from pipeline.errors import IntegrityError, PipelineError
+from pipeline.install import fetcher as fetcher_module
 from pipeline.install import pull as pull_module
 from pipeline.install.fetcher import Fetcher, Share
 from pipeline.install.landing import PART_RETRIES
@@ -416,3 +417,24 @@ def test_every_worker_drops_what_it_inherited_before_its_first_read(tmp_path):
     r = pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
     pids = (tmp_path / "after_fork").read_text().split()
     assert r.processes == 3 and len(set(pids)) == 3 and str(os.getpid()) not in pids
+
+
+def test_each_worker_reserves_only_its_own_ranges_of_a_shared_file(tmp_path, monkeypatch):
+    """Blocks are reserved by the worker that writes them (where a filesystem has no
+    fallocate, glibc's stand-in writes into every block it reserves), and in parallel."""
+    store = LocalStore(tmp_path / "store")
+    big = os.urandom(12 * PART)
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": big}}, part_size=PART)
+    log, real = tmp_path / "reserved", fetcher_module.reserve
+
+    def reserve(fd, start, length):
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {start} {length}\n")
+        return real(fd, start, length)
+
+    monkeypatch.setattr(fetcher_module, "reserve", reserve)
+    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == big
+    rows = [line.split() for line in log.read_text().splitlines()]
+    assert sorted(int(start) for _, start, _ in rows) == [i * PART for i in range(12)]
+    assert len({pid for pid, _, _ in rows}) == 3 and str(os.getpid()) not in log.read_text()

@@ -28,6 +28,7 @@ from pipeline.install.landing import (
     land_range,
     local_write,
     preallocated,
+    reserve,
     sha256_fd,
 )
 from pipeline.store.base import Store
@@ -212,8 +213,12 @@ class Fetcher:
         pages), and its other ranges should be on the wire meanwhile, not waiting here."""
         with f.lock, local_write(f.tmp):
             if f.fd is None:
-                if f.resume or f.shared:  # a shared one: made by the caller, before the fork
+                if f.resume:
                     f.fd = os.open(f.tmp, os.O_RDWR)
+                elif f.shared:  # made at full size by the caller: reserve our ranges only
+                    f.fd = os.open(f.tmp, os.O_RDWR)
+                    for start, length in f.ranges:
+                        reserve(f.fd, start, length)
                 else:
                     f.fd = preallocated(f.tmp, f.ref.size)
             return f.fd

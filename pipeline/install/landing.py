@@ -199,18 +199,28 @@ def preallocated(path: Path, size: int) -> int:
     where the filesystem can (no fragmentation, ENOSPC now rather than mid-pull)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, FILE_MODE)
     try:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except AttributeError:  # not on this platform
-            os.ftruncate(fd, size)
-        except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
-                raise
+        if not reserve(fd, 0, size):
             os.ftruncate(fd, size)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def reserve(fd: int, start: int, length: int) -> bool:
+    """Reserve the blocks of ``fd``'s bytes ``start`` to ``start + length`` (the file grows
+    to cover them); False where the platform or filesystem cannot. Where the filesystem has
+    no fallocate of its own, glibc's stand-in writes a byte into every block: only ever
+    reserve bytes no other process is writing (a worker reserves its own ranges)."""
+    try:
+        os.posix_fallocate(fd, start, length)
+        return True
+    except AttributeError:  # not on this platform
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL, errno.ENOSYS):
+            raise
+        return False
 
 
 def sha256_fd(fd: int, size: int) -> str:

@@ -34,11 +34,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline._files import FILE_MODE
 from pipeline._progress import ByteProgress
 from pipeline.errors import PipelineError
 from pipeline.install.fetcher import Fetcher, Share, Verify, interleaved
 from pipeline.install.installed import TEMPORARY_SUFFIX
-from pipeline.install.landing import local_write, preallocated
+from pipeline.install.landing import local_write
 from pipeline.store.base import Store
 from pipeline.store.refs import FileRef
 
@@ -85,12 +86,16 @@ def plan(jobs: list[Job], n: int, fetcher: Fetcher) -> tuple[list[Plan], list[Jo
     for target, ref, _ in split:
         tmp = target.with_name(f".{target.name}{TEMPORARY_SUFFIX}")
         resume = _size(tmp) == ref.size  # decided once, before any process opens it
-        if not resume:  # made here, once: where the filesystem has no fallocate, glibc's
-            # stand-in writes a byte into every block, which would race another process's
-            # verified parts (every process opens it as it is)
+        if not resume:  # made here, once, at full size and sparse: each process opens it as
+            # it is and reserves the blocks of its own ranges (``landing.reserve``), in
+            # parallel and as its bytes come (tmpfs zeroes what it reserves: ~0.3 s a GiB)
             target.parent.mkdir(parents=True, exist_ok=True)
             with local_write(tmp):
-                os.close(preallocated(tmp, ref.size))
+                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+                try:
+                    os.ftruncate(fd, ref.size)
+                finally:
+                    os.close(fd)
         for k, p in enumerate(plans):
             if target in starts[k]:
                 p.jobs.append((target, ref))
