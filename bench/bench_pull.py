@@ -519,7 +519,7 @@ if s5:  # experiment (--pulls lean-s5cmd): s5cmd lands every file, and each file
     import os, subprocess, tempfile, threading
     from concurrent.futures import ThreadPoolExecutor
     from pipeline.contracts.store_layout import blob_key
-    from pipeline.install.installed import TEMPORARY_SUFFIX
+    from pipeline.install.installed import temporary
     class ViaS5cmd:
         def __init__(self, store, concurrency, part_size, verify):
             self.store = store
@@ -529,7 +529,7 @@ if s5:  # experiment (--pulls lean-s5cmd): s5cmd lands every file, and each file
             self.checkers = n or os.cpu_count() or 4  # many files land together, at the end
             self.lock = threading.Lock()
         def check(self, target, ref):
-            tmp = target.with_name(f".{target.name}{TEMPORARY_SUFFIX}")
+            tmp = temporary(target)
             t = time.perf_counter()
             fd = os.open(tmp, os.O_RDWR)
             try:  # each part as resuming checks it; a bad one fetched again as landing does
@@ -552,7 +552,7 @@ if s5:  # experiment (--pulls lean-s5cmd): s5cmd lands every file, and each file
             st, by_dest, lines = self.store, {}, []
             for target, ref in jobs:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_name(f".{target.name}{TEMPORARY_SUFFIX}")
+                tmp = temporary(target)
                 by_dest[str(tmp)] = (target, ref)
                 lines.append(f"cp s3://{st.bucket}/{st.prefix}{blob_key(ref.sha256)} {tmp}\\n")
             with tempfile.NamedTemporaryFile("w", suffix=".s5cmd") as cmds:

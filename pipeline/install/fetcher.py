@@ -18,9 +18,7 @@ from typing import Literal, Protocol, TypeVar
 from pipeline._progress import ByteProgress
 from pipeline.contracts.store_layout import blob_key
 from pipeline.errors import IntegrityError, PipelineError
-from pipeline.install.installed import (
-    TEMPORARY_SUFFIX,
-)
+from pipeline.install.installed import temporary
 from pipeline.install.landing import (
     FILE_RETRIES,
     RangeJob,
@@ -51,11 +49,13 @@ class Share:
     resume: bool  # decided by the caller before any process opened the file
 
 
-def _size(path: Path) -> int | None:
+def resumable(tmp: Path, ref: FileRef) -> bool:
+    """Whether a killed pull's temporary file is kept, its parts checked one by one: it
+    has the file's full size and the file has part digests."""
     try:
-        return path.stat().st_size
+        return ref.parts is not None and tmp.stat().st_size == ref.size
     except FileNotFoundError:
-        return None
+        return False
 
 
 @dataclass(eq=False)
@@ -75,7 +75,7 @@ class _File:
 
     @property
     def tmp(self) -> Path:
-        return self.target.with_name(f".{self.target.name}{TEMPORARY_SUFFIX}")
+        return temporary(self.target)
 
     @property
     def key(self) -> str:
@@ -137,7 +137,7 @@ class Fetcher:
             target.parent.mkdir(parents=True, exist_ok=True)
             share = (shares or {}).get(target)
             f = _File(target, ref, self.ranges(ref))
-            f.resume = ref.parts is not None and _size(f.tmp) == ref.size
+            f.resume = resumable(f.tmp, ref)
             if share is not None:
                 f.ranges = [r for r in f.ranges if r[0] in share.starts]
                 f.resume, f.shared = share.resume, True

@@ -37,6 +37,11 @@ BUCKETS = "buckets"
 TEMPORARY_SUFFIX = ".incomplete"
 
 
+def temporary(path: Path) -> Path:
+    """``path``'s temporary name while it lands: ``.<name>.incomplete`` beside it."""
+    return path.with_name(f".{path.name}{TEMPORARY_SUFFIX}")
+
+
 def safe_relpath(rel: str) -> PurePosixPath:
     """A manifest path as a relative path that cannot leave its directory."""
     p = PurePosixPath(rel)

@@ -22,7 +22,6 @@ parts only, which the next pull resumes from (as after a SIGKILL)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import pickle
 import select
@@ -37,8 +36,8 @@ from pathlib import Path
 from pipeline._files import FILE_MODE
 from pipeline._progress import ByteProgress
 from pipeline.errors import PipelineError
-from pipeline.install.fetcher import Fetcher, Share, Verify, interleaved
-from pipeline.install.installed import TEMPORARY_SUFFIX
+from pipeline.install.fetcher import Fetcher, Share, Verify, interleaved, resumable
+from pipeline.install.installed import temporary
 from pipeline.install.landing import local_write
 from pipeline.store.base import Store
 from pipeline.store.refs import FileRef
@@ -84,8 +83,8 @@ def plan(jobs: list[Job], n: int, fetcher: Fetcher) -> tuple[list[Plan], list[Jo
         starts[k].setdefault(target, set()).add(start)
         plans[k].bytes += length
     for target, ref, _ in split:
-        tmp = target.with_name(f".{target.name}{TEMPORARY_SUFFIX}")
-        resume = _size(tmp) == ref.size  # decided once, before any process opens it
+        tmp = temporary(target)
+        resume = resumable(tmp, ref)  # decided once, before any process opens it
         if not resume:  # made here, once, at full size and sparse: each process opens it as
             # it is and reserves the blocks of its own ranges (``landing.reserve``), in
             # parallel and as its bytes come (tmpfs zeroes what it reserves: ~0.3 s a GiB)
@@ -115,13 +114,6 @@ def _turns(
     """Every shared file's ranges, one of each file in turn, as (target, range)."""
     for f, r in interleaved([_Ranges(t, rs) for t, _, rs in split]):
         yield f.target, r
-
-
-def _size(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return None
 
 
 @dataclass
@@ -187,7 +179,7 @@ class WorkerProcesses:
             for name, n in zip(COUNTS, child.end[1], strict=True):  # type: ignore[call-overload]
                 setattr(self, name, getattr(self, name) + n)
         for target, _ in self._installs:  # every range of it landed and verified
-            os.replace(target.with_name(f".{target.name}{TEMPORARY_SUFFIX}"), target)
+            os.replace(temporary(target), target)
 
     def _fork(self, work: Plan, threads: int) -> _Child:
         parent = os.getpid()
@@ -310,6 +302,8 @@ def _child_main(
     try:
         # dies with the parent, however the parent ends (not Linux: the parent still kills
         # us on a failure)
+        import ctypes  # here: only a worker needs it, not the pull's cold path
+
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the parent ended before the line above

@@ -48,8 +48,8 @@ from pipeline.install.installed import (
     CURRENT,
     MANIFEST,
     SIGNATURE,
-    TEMPORARY_SUFFIX,
     release_files,
+    temporary,
 )
 from pipeline.install.processes import WorkerProcesses
 from pipeline.store.base import Store
@@ -136,8 +136,9 @@ def pull_release(
     before that is checked. ``processes``: worker processes to land the files in (None:
     ``default_processes``); ``concurrency`` is the ranges in flight across all of them."""
     start = time.monotonic()
-    concurrency = concurrency or default_concurrency()
-    processes = processes or default_processes(store)
+    cpus = None if concurrency and processes else available_cpus()  # the cgroup read once
+    concurrency = concurrency or default_concurrency(cpus)
+    processes = processes or default_processes(store, cpus)
     release = read_verified(store, model, version=version, channel=channel, trust=trust)
     manifest, raw, version = release.manifest, release.data, release.manifest.version
     sig = release.signature.model_dump_json(indent=2).encode() if release.signature else None
@@ -230,7 +231,7 @@ def _pull_into(
         reused_bytes=reused + fetcher.resumed,
         seconds=time.monotonic() - start,
         already_installed=False,
-        processes=max(1, processes),
+        processes=processes,
         parts=fetcher.parts,
         refetched_parts=fetcher.refetched_parts,
         refetched_files=fetcher.refetched_files,
@@ -247,7 +248,7 @@ def _verified(path: Path, ref: FileRef) -> bool:
 def _link_or_copy(src: Path, dest: Path) -> None:
     """A hard link where the filesystem allows (no extra disk), else a copy; atomic."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}{TEMPORARY_SUFFIX}")
+    tmp = temporary(dest)
     tmp.unlink(missing_ok=True)
     try:
         os.link(src, tmp)
