@@ -12,7 +12,7 @@ baselines measured in the same run on the same endpoint:
   ``INF2_PIPELINE_S3_GETS``), with CONCURRENCY ranged GETs in flight (0 or absent:
   ``--concurrency``, else pull's default for this machine); ``lean-sha256`` pulls the same
   bytes published as schema 2 did (parts checked by sha256, not BLAKE3); ``lean`` takes
-  pull's default worker processes (over ``--tls`` one per two CPUs, up to 8), ``lean-one``
+  pull's default worker processes (over ``--tls`` one per CPU, up to 16), ``lean-one``
   one process and ``lean-pN`` N (``--processes``); the experiments:
   ``lean-lowat`` (each large socket read waits for 1 MiB: fewer GIL turns a range) and
   ``lean-procsN`` (the ranges landed by N forked worker processes, one GIL each),

@@ -34,6 +34,10 @@ T0=$(date +%s); BUDGET=${BUDGET:-575}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .devrun/whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# bytecode, as pip writes it into the pull image (ci/Dockerfile.pull): installed with
+# --no-compile here, every process compiled its imports from source (the pull's imports took
+# 0.69-0.99 s on 2026-12-07's hosts against 0.30-0.41 s on 2026-12-03's)
+python3 -m compileall -q -j 0 /tmp/site pipeline >/dev/null 2>&1
 R=work/round; mkdir -p "$R"
 D=work/bench-cuda/models/bench-llama-3.2-1b-decode
 L=work/bench-cuda/models/bench-llama-3.2-1b-prefill

@@ -5,6 +5,7 @@ pull in one line and leaves what a resume needs; no worker outlives the pull."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -22,10 +24,11 @@ from pipeline.cli import app
 from pipeline.contracts.store_layout import blob_key
 from pipeline.errors import IntegrityError, PipelineError
 from pipeline.install import fetcher as fetcher_module
+from pipeline.install import processes as processes_module
 from pipeline.install import pull as pull_module
-from pipeline.install.fetcher import Fetcher, Share
+from pipeline.install.fetcher import Fetcher
 from pipeline.install.landing import PART_RETRIES
-from pipeline.install.processes import _picklable, plan
+from pipeline.install.processes import Tickets, _picklable, plan
 from pipeline.install.pull import default_processes, pull_release
 from pipeline.store import open_store
 from pipeline.store.local import LocalStore
@@ -76,25 +79,34 @@ def _ref(size: int, parts: bool = True) -> FileRef:
     )
 
 
-def test_ranges_are_dealt_by_bytes_and_files_checked_whole_go_whole(tmp_path):
-    """A huge file is landed by every process; a file checked whole, or of one range,
-    goes whole to one; the bytes come out even."""
+def test_ranges_are_shared_and_files_checked_whole_go_whole(tmp_path):
+    """A huge file's ranges are claimed by any process, one of each file in turn; a file
+    checked whole, or of one range, goes whole to one process, by bytes."""
     huge, small, whole = _ref(12 * PART), _ref(PART), _ref(3 * PART, parts=False)
-    jobs = [(tmp_path / "huge", huge), (tmp_path / "small", small), (tmp_path / "whole", whole)]
+    other = _ref(2 * PART)
+    jobs = [(tmp_path / "huge", huge), (tmp_path / "small", small), (tmp_path / "whole", whole),
+            (tmp_path / "other", other)]  # fmt: skip
     fetcher = Fetcher(LocalStore(tmp_path / "s"), 1, PART, "parts")
-    plans, installs = plan(jobs, 3, fetcher)
-    assert installs == [(tmp_path / "huge", huge)]
-    assert sorted(p.bytes for p in plans) == [5 * PART, 5 * PART, 6 * PART]
-    none = Share(frozenset(), False)
-    huge_starts = [s for p in plans for s in p.shares.get(tmp_path / "huge", none).starts]
-    assert sorted(huge_starts) == [i * PART for i in range(12)]  # each range once
-    assert all(tmp_path / "huge" in p.shares for p in plans)  # every process lands some
+    work = plan(jobs, 3, fetcher)
+    assert work.shared == {tmp_path / "huge": (huge, False), tmp_path / "other": (other, False)}
+
+    def at(name: str, i: int) -> tuple[Path, int, int]:
+        return (tmp_path / name, i * PART, PART)
+
+    in_turn = [at("huge", 0), at("other", 0), at("huge", 1), at("other", 1)]
+    assert work.ranges[:4] == in_turn
+    expected = [at("huge", i) for i in range(12)] + [at("other", i) for i in range(2)]
+    assert sorted(work.ranges) == sorted(expected)  # each range once
+    assert len(work.plans) == 3  # every process claims ranges, whole files or not
     for name in ("small", "whole"):  # whole, in one process, not shared
-        holders = [p for p in plans if (tmp_path / name, _find(jobs, name)) in p.jobs]
-        assert len(holders) == 1 and tmp_path / name not in holders[0].shares
+        holders = [p for p in work.plans if (tmp_path / name, _find(jobs, name)) in p.jobs]
+        assert len(holders) == 1 and tmp_path / name not in work.shared
+    assert sorted(p.bytes for p in work.plans) == [0, PART, 3 * PART]
     full = Fetcher(LocalStore(tmp_path / "s"), 1, PART, "full")
-    assert plan(jobs, 3, full)[1] == []  # --verify full: every file checked whole
-    assert len(plan(jobs, 8, fetcher)[0]) == 8  # 16 ranges and files: 8 processes
+    everything_whole = plan(jobs, 8, full)  # --verify full: every file checked whole
+    assert everything_whole.shared == {} and everything_whole.ranges == []
+    assert len(everything_whole.plans) == 4  # no more processes than files then
+    assert len(plan(jobs, 99, fetcher).plans) == 16  # 14 ranges and 2 files
 
 
 def _find(jobs, name):
@@ -106,12 +118,60 @@ def test_a_shared_file_resumes_only_at_full_size_and_is_made_before_the_fork(tmp
     fetcher = Fetcher(LocalStore(tmp_path / "s"), 1, PART, "parts")
     tmp = tmp_path / ".huge.incomplete"
     tmp.write_bytes(b"x" * (4 * PART))  # a killed pull's full-size temporary file
-    plans, _ = plan([(tmp_path / "huge", huge)], 2, fetcher)
-    assert all(p.shares[tmp_path / "huge"].resume for p in plans) and tmp.exists()
+    assert plan([(tmp_path / "huge", huge)], 2, fetcher).shared[tmp_path / "huge"][1]
+    assert tmp.exists()
     tmp.write_bytes(b"stale")  # not full size: no process may keep its bytes
-    plans, _ = plan([(tmp_path / "huge", huge)], 2, fetcher)
-    assert not any(p.shares[tmp_path / "huge"].resume for p in plans)
+    assert not plan([(tmp_path / "huge", huge)], 2, fetcher).shared[tmp_path / "huge"][1]
     assert tmp.read_bytes() == bytes(4 * PART)  # made anew at full size, before any fork
+
+
+def _take(tickets: Tickets, got: list[int]) -> None:
+    while batch := tickets.claim():
+        got.extend(start for _, start, _ in batch)  # list.extend holds the GIL: whole
+
+
+def test_tickets_are_claimed_once_each_across_processes_and_batched_to_fit_the_pipe(
+    tmp_path, monkeypatch
+):
+    ranges = [(tmp_path / "f", i, 1) for i in range(5000)]
+    tickets = Tickets(ranges)
+    out = tmp_path / "claimed"
+    pids = []
+    for _ in range(3):  # three processes, each two threads, claim until none are left
+        pid = os.fork()
+        if pid == 0:
+            try:
+                got: list[int] = []
+                threads = [threading.Thread(target=_take, args=(tickets, got)) for _ in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                (out.parent / f"claimed-{os.getpid()}").write_text(json.dumps(got))
+            finally:
+                os._exit(0)
+        pids.append(pid)
+    tickets.close()
+    for pid in pids:
+        os.waitpid(pid, 0)
+    claimed = [s for f in tmp_path.glob("claimed-*") for s in json.loads(f.read_text())]
+    assert sorted(claimed) == list(range(5000))  # every range once
+    monkeypatch.setattr(processes_module, "_pipe_room", lambda fd, want: 4096)
+    small = Tickets(ranges)  # a pipe of 1,024 tickets: batches of 5 ranges
+    batches = list(iter(small.claim, []))
+    assert small.batch == 5 and len(batches) == 1000
+    assert [r for b in batches for r in b] == ranges
+    small.close()
+
+
+def _until_all_read(log: Path, workers: int) -> None:
+    """Hold a worker's read until ``workers`` processes have each read once (so a claim is
+    not all taken by the first worker to start), or 30 s have passed."""
+    with open(log, "a") as f:  # one short append a call: whole lines from any process
+        f.write(f"{os.getpid()}\n")
+    deadline = time.monotonic() + 30
+    while len(set(log.read_text().split())) < workers and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def test_one_huge_file_is_landed_by_every_worker(store, tmp_path):
@@ -122,8 +182,7 @@ def test_one_huge_file_is_landed_by_every_worker(store, tmp_path):
 
     def read_range_into(k, start, buf):
         if k == key:
-            with open(log, "a") as f:  # one short append a call: whole lines from any process
-                f.write(f"{os.getpid()}\n")
+            _until_all_read(log, 3)
         return real(k, start, buf)
 
     store.read_range_into = read_range_into
@@ -131,6 +190,33 @@ def test_one_huge_file_is_landed_by_every_worker(store, tmp_path):
     assert (r.path / "buckets/b1_s32/weights.bin").read_bytes() == big
     assert r.processes == 3 and len(set(log.read_text().split())) == 3
     assert not list((tmp_path / "d").rglob("*.incomplete"))
+
+
+def test_a_slow_worker_lands_fewer_ranges(store, tmp_path):
+    """Ranges go to whichever worker is free: one whose reads take 10x as long lands
+    fewer, and the pull does not wait for a fixed share of its own."""
+    big = os.urandom(40 * PART)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"weights.bin": big}}, part_size=PART)
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    log, real, landed = tmp_path / "readers", store.read_range_into, tmp_path / "landed"
+
+    def read_range_into(k, start, buf):
+        if k == key:
+            _until_all_read(log, 2)
+            slow = log.read_text().split()[0]  # the first worker to read
+            time.sleep(0.2 if str(os.getpid()) == slow else 0.02)
+            with open(landed, "a") as f:
+                f.write(f"{os.getpid()} {start}\n")
+        return real(k, start, buf)
+
+    store.read_range_into = read_range_into
+    r = pull_release(
+        store, "m", tmp_path / "d", version="v1", processes=2, concurrency=2, part_size=PART
+    )
+    assert (r.path / "buckets/b1_s32/weights.bin").read_bytes() == big
+    ranges = {tuple(line.split()) for line in landed.read_text().splitlines()}
+    by_worker = collections.Counter(pid for pid, _ in ranges)
+    assert len(ranges) == 40 and by_worker[log.read_text().split()[0]] < 15
 
 
 def test_workers_install_every_byte_and_report_one_progress(store, tmp_path, monkeypatch):
@@ -341,7 +427,7 @@ def test_processes_by_default_only_over_tls(tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     tls = S3Store("b", endpoint_url="https://127.0.0.1:9")
     by_cpus = [default_processes(tls, c) for c in (1, 2, 5, 16, 64)]
-    assert by_cpus == [1, 2, 2, 8, MAX_PULL_PROCESSES]
+    assert by_cpus == [1, 2, 5, 16, MAX_PULL_PROCESSES]
     assert default_processes(S3Store("b", endpoint_url="http://127.0.0.1:9"), 16) == 1
     botocore = S3Store("b", endpoint_url="https://127.0.0.1:9", lean_gets=False)
     assert default_processes(botocore, 16) == 1
@@ -419,22 +505,34 @@ def test_every_worker_drops_what_it_inherited_before_its_first_read(tmp_path):
     assert r.processes == 3 and len(set(pids)) == 3 and str(os.getpid()) not in pids
 
 
-def test_each_worker_reserves_only_its_own_ranges_of_a_shared_file(tmp_path, monkeypatch):
+def test_each_worker_reserves_only_the_ranges_it_lands_of_a_shared_file(tmp_path, monkeypatch):
     """Blocks are reserved by the worker that writes them (where a filesystem has no
     fallocate, glibc's stand-in writes into every block it reserves), and in parallel."""
     store = LocalStore(tmp_path / "store")
     big = os.urandom(12 * PART)
-    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": big}}, part_size=PART)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": big}}, part_size=PART)
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
     log, real = tmp_path / "reserved", fetcher_module.reserve
+    readers, real_read = tmp_path / "readers", store.read_range_into
+
+    def read_range_into(k, start, buf):
+        if k == key:
+            _until_all_read(readers, 3)
+            with open(tmp_path / "landed", "a") as f:
+                f.write(f"{os.getpid()} {start}\n")
+        return real_read(k, start, buf)
 
     def reserve(fd, start, length):
         with open(log, "a") as f:
             f.write(f"{os.getpid()} {start} {length}\n")
         return real(fd, start, length)
 
+    store.read_range_into = read_range_into
     monkeypatch.setattr(fetcher_module, "reserve", reserve)
     r = pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == big
     rows = [line.split() for line in log.read_text().splitlines()]
     assert sorted(int(start) for _, start, _ in rows) == [i * PART for i in range(12)]
+    landed = {tuple(line.split()) for line in (tmp_path / "landed").read_text().splitlines()}
+    assert {(pid, start) for pid, start, _ in rows} == landed  # by the worker that landed it
     assert len({pid for pid, _, _ in rows}) == 3 and str(os.getpid()) not in log.read_text()

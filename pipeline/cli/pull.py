@@ -44,7 +44,7 @@ def pull(
             min=1,
             max=64,
             help="Worker processes the ranges are shared out to, --concurrency ranges in "
-            "flight across them (default: over https one per 2 available CPUs, 2 to 8: a "
+            "flight across them (default: over https one per available CPU, 2 to 16: a "
             "TLS read takes the GIL back every 16 KiB; else 1).",
             show_default=False,
         ),

@@ -5,12 +5,13 @@ checked whole where it has no part digests, and a stop from the caller drains th
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import itertools
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
@@ -40,13 +41,18 @@ FILES_IN_TURN = 64
 Verify = Literal["parts", "full"]
 
 
-@dataclass(frozen=True)
-class Share:
-    """The ranges of a file that this process lands, where other processes land the rest
-    (``pipeline.install.processes``): it neither checks the file whole nor installs it."""
+Range = tuple[Path, int, int]  # a file's target, and the offset and length of one range
 
-    starts: frozenset[int]  # the ranges' offsets
-    resume: bool  # decided by the caller before any process opened the file
+
+@dataclass(frozen=True)
+class Shared:
+    """Files other processes land too (``pipeline.install.processes``): this process lands
+    the ranges it claims, one batch at a time, first come first served, so a process that
+    runs slower (a slow connection, a busy core) takes fewer; it neither checks these files
+    whole nor installs them."""
+
+    files: dict[Path, tuple[FileRef, bool]]  # target -> (ref, resume: decided by the caller)
+    claim: Callable[[], list[Range]]  # the next ranges not yet claimed; [] once none are left
 
 
 def resumable(tmp: Path, ref: FileRef) -> bool:
@@ -70,7 +76,7 @@ class _File:
     attempts: int = 0  # whole-file re-fetches so far
     # A killed pull's full-size temporary file: ranges whose parts already verify are kept.
     resume: bool = False
-    shared: bool = False  # other processes land its other ranges (a Share)
+    shared: bool = False  # other processes land its other ranges (``Shared``)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -111,6 +117,9 @@ class Fetcher:
         self._queue: queue.SimpleQueue[tuple[_File, int, int] | None] = queue.SimpleQueue()
         self._open_files = 0
         self._error: BaseException | None = None
+        self._shared: dict[Path, _File] = {}
+        self._claim: Callable[[], list[Range]] | None = None
+        self._claiming = 0  # threads that may still claim shared ranges
 
     def ranges(self, ref: FileRef) -> list[tuple[int, int]]:
         """The file's ranges, (offset, length) each."""
@@ -127,20 +136,16 @@ class Fetcher:
         self,
         jobs: list[tuple[Path, FileRef]],
         progress: ByteProgress,
-        shares: dict[Path, Share] | None = None,
+        shared: Shared | None = None,
     ) -> None:
-        """Land and install every file of ``jobs``; of a file in ``shares``, land only the
-        ranges named there, into its temporary file, and leave it for the caller."""
+        """Land and install every file of ``jobs``; and of ``shared``'s files, the ranges
+        this process claims, into their temporary files, left for the caller."""
         self.progress = progress
         files = []
         for target, ref in jobs:
             target.parent.mkdir(parents=True, exist_ok=True)
-            share = (shares or {}).get(target)
             f = _File(target, ref, self.ranges(ref))
             f.resume = resumable(f.tmp, ref)
-            if share is not None:
-                f.ranges = [r for r in f.ranges if r[0] in share.starts]
-                f.resume, f.shared = share.resume, True
             if not f.ranges:
                 self._empty(f)
             else:
@@ -150,24 +155,32 @@ class Fetcher:
             f.left = len(f.ranges)
         for f, (start, length) in interleaved(files):
             self._queue.put((f, start, length))
+        n = sum(len(f.ranges) for f in files)
+        if shared is not None:
+            self._shared = {t: _File(t, ref, [], resume=res, shared=True)
+                            for t, (ref, res) in shared.files.items()}  # fmt: skip
+            self._claim, n = shared.claim, self.concurrency
         threads: list[threading.Thread] = []
         try:
-            for i in range(min(self.concurrency, sum(len(f.ranges) for f in files))):
+            for i in range(min(self.concurrency, n)):
                 threads.append(threading.Thread(target=self._worker, name=f"pull-{i}", daemon=True))
+                with self._lock:
+                    self._claiming += self._claim is not None
                 _start(threads[-1])
             with self._idle:
-                while self._open_files and self._error is None:
+                while (self._open_files or self._claiming) and self._error is None:
                     self._idle.wait(0.5)
         finally:
             with self._lock:
-                self._error = self._error or (_Stopped() if self._open_files else None)
+                busy = self._open_files or self._claiming
+                self._error = self._error or (_Stopped() if busy else None)
             for _ in threads:
                 self._queue.put(None)
             for t in threads:
                 if t.ident is not None:  # started
                     t.join()
-            for f in files:
-                if f.fd is not None:  # unfinished
+            for f in [*files, *self._shared.values()]:
+                if f.fd is not None:  # unfinished, or shared
                     os.close(f.fd)
                     if f.ref.parts is None:  # unverified bytes: discard them
                         f.tmp.unlink(missing_ok=True)
@@ -182,21 +195,46 @@ class Fetcher:
             self._queue.put((f, start, length))
 
     def _worker(self) -> None:
-        while (task := self._queue.get()) is not None:
-            if self._error is not None:
-                continue  # failing: drain the queue without fetching
-            try:
-                self._land(*task)
-            except BaseException as e:  # handed to the main thread, which raises it
-                with self._idle:
-                    self._error = self._error or e
-                    self._idle.notify_all()
+        try:
+            if self._claim is not None:
+                self._claim_ranges()
+            while (task := self._queue.get()) is not None:
+                if self._error is None:  # else failing: drain the queue without fetching
+                    self._land(*task)
+        except BaseException as e:  # handed to the main thread, which raises it
+            with self._idle:
+                self._error = self._error or e
+                self._idle.notify_all()
+
+    def _claim_ranges(self) -> None:
+        """Land shared ranges as they are claimed, this process's own first, until none are
+        left (or a failure); then this thread only takes this process's own."""
+        assert self._claim is not None
+        try:
+            while self._error is None:
+                with contextlib.suppress(queue.Empty):
+                    task = self._queue.get_nowait()
+                    if task is None:  # stopped
+                        self._queue.put(None)  # for the loop after this one
+                        return
+                    self._land(*task)
+                    continue
+                claimed = self._claim()
+                if not claimed:
+                    return
+                for target, start, length in claimed:
+                    if self._error is None:
+                        self._land(self._shared[target], start, length)
+        finally:
+            with self._idle:
+                self._claiming -= 1
+                self._idle.notify_all()
 
     def _land(self, f: _File, start: int, length: int) -> None:
         """Land one range; finish the file if it was last."""
         whole = f.ref.parts is None and len(f.ranges) == 1
         job = RangeJob(f.key, f.ref, str(f.tmp), start, length, whole, f.resume)
-        out = land_range(self.store, job, lambda: self._opened(f))
+        out = land_range(self.store, job, lambda: self._opened(f, start, length))
         with self._lock:
             if out.resumed:
                 self.resumed += length
@@ -207,24 +245,26 @@ class Fetcher:
             self.refetched_files += out.refetched_files
         self._landed(f, length)
 
-    def _opened(self, f: _File) -> int:
+    def _opened(self, f: _File, start: int, length: int) -> int:
         """The file's temporary, opened by the first range to need it. Asked for once that
         range's bytes are in: preallocating a large file can take a while (tmpfs zeroes its
-        pages), and its other ranges should be on the wire meanwhile, not waiting here."""
+        pages), and its other ranges should be on the wire meanwhile, not waiting here. Of a
+        shared file (made at full size by the caller) only this range's blocks are reserved:
+        by the process that writes them, in parallel with the others."""
         with f.lock, local_write(f.tmp):
             if f.fd is None:
-                if f.resume:
+                if f.resume or f.shared:
                     f.fd = os.open(f.tmp, os.O_RDWR)
-                elif f.shared:  # made at full size by the caller: reserve our ranges only
-                    f.fd = os.open(f.tmp, os.O_RDWR)
-                    for start, length in f.ranges:
-                        reserve(f.fd, start, length)
                 else:
                     f.fd = preallocated(f.tmp, f.ref.size)
+            if f.shared and not f.resume:
+                reserve(f.fd, start, length)
             return f.fd
 
     def _landed(self, f: _File, length: int) -> None:
         self.progress.advance(length)
+        if f.shared:  # closed at the end; the caller installs it once every process is done
+            return
         with f.lock:
             f.left -= 1
             last = f.left == 0
@@ -233,7 +273,7 @@ class Fetcher:
 
     def _finish(self, f: _File) -> None:
         assert f.fd is not None
-        if not f.shared and f.checked_whole(self.verify):
+        if f.checked_whole(self.verify):
             digest = sha256_fd(f.fd, f.ref.size)
             if digest != f.ref.sha256:
                 self._count_file_refetch(f, digest)
@@ -242,8 +282,7 @@ class Fetcher:
                 return
         os.close(f.fd)
         f.fd = None
-        if not f.shared:  # else the caller installs it once every process landed its share
-            os.replace(f.tmp, f.target)
+        os.replace(f.tmp, f.target)
         with self._idle:
             self._open_files -= 1
             self._idle.notify_all()

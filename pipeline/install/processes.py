@@ -9,11 +9,14 @@ in flight faster than 32, and 4, 8 and 16 forked processes 2.7-2.9, 3.1-3.8 and 
 GIL-bound (4 processes: 1.2x for 2.2x the memory), so the store decides
 (``Store.pull_processes``).
 
-The ranges of every file checked part by part are dealt out by bytes, one of each file in
-turn, so one huge file (a cuda release's weights) is landed by every process; each process
-lands its ranges into the file's temporary file, and the pull installs the file once all
-have. A file checked whole (no part digests, ``--verify full``) or of one range goes whole
-to one process, which checks and installs it as one process's pull does. Each child is
+The ranges of every file checked part by part are claimed by the processes' threads as
+they go, one range of each file in turn, first come first served (tickets in a pipe that
+every process reads): one huge file (a cuda release's weights) is landed by every process,
+and a process slowed by its connections or a busy core takes fewer ranges instead of ending
+last with its share. Each lands its ranges into the file's temporary file, and the pull
+installs the file once all have. A file checked whole (no part digests, ``--verify full``)
+or of one range goes whole to one process, dealt by bytes before the fork, which checks and
+installs it as one process's pull does. Each child is
 forked before the progress bar's thread starts, sends its progress and its end (counts, or
 the exception, pickled) on a pipe of its own, and dies with the parent
 (``PR_SET_PDEATHSIG``). The first failure ends the others: what they landed is verified
@@ -22,6 +25,7 @@ parts only, which the next pull resumes from (as after a SIGKILL)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pickle
 import select
@@ -36,7 +40,7 @@ from pathlib import Path
 from pipeline._files import FILE_MODE
 from pipeline._progress import ByteProgress
 from pipeline.errors import PipelineError
-from pipeline.install.fetcher import Fetcher, Share, Verify, interleaved, resumable
+from pipeline.install.fetcher import Fetcher, Range, Shared, Verify, interleaved, resumable
 from pipeline.install.installed import temporary
 from pipeline.install.landing import local_write
 from pipeline.store.base import Store
@@ -44,7 +48,9 @@ from pipeline.store.refs import FileRef
 
 COUNTS = ("downloaded", "parts", "refetched_parts", "refetched_files", "resumed")
 _HEAD = struct.Struct("!I")  # a message's length; then its pickle
+_TICKET = struct.Struct("I")  # a batch of shared ranges: its index
 PR_SET_PDEATHSIG = 1
+PIPE_MAX_SIZE = Path("/proc/sys/fs/pipe-max-size")
 
 
 Job = tuple[Path, FileRef]
@@ -52,20 +58,28 @@ Job = tuple[Path, FileRef]
 
 @dataclass
 class Plan:
-    """What one worker process lands: its jobs, and of the shared files its ranges."""
+    """What one worker process lands whole: its jobs, and their bytes."""
 
     jobs: list[Job] = field(default_factory=list)
-    shares: dict[Path, Share] = field(default_factory=dict)
     bytes: int = 0
 
 
-def plan(jobs: list[Job], n: int, fetcher: Fetcher) -> tuple[list[Plan], list[Job]]:
-    """``jobs`` shared out to at most ``n`` processes, about equal bytes each, and the files
-    shared by range (the caller installs those once every process is done). A file checked
-    part by part with more than one range is shared by range, its ranges dealt one of each
-    file in turn (``interleaved``) to the process with the fewest bytes; any other file
-    goes whole to the process with the fewest bytes, largest first."""
-    plans = [Plan() for _ in range(max(1, n))]
+@dataclass
+class Work:
+    """The pull's files shared out: whole files to one process each (``plans``), and the
+    files landed by range (``shared``: target -> (ref, resume)), their ``ranges`` one of
+    each file in turn, claimed by whichever process's thread is free."""
+
+    plans: list[Plan]
+    shared: dict[Path, tuple[FileRef, bool]]
+    ranges: list[Range]
+
+
+def plan(jobs: list[Job], n: int, fetcher: Fetcher) -> Work:
+    """``jobs`` shared out to at most ``n`` processes. A file checked part by part with more
+    than one range is shared by range (the caller installs it once every process is done);
+    any other file goes whole to the process with the fewest bytes, largest first. A shared
+    file is made here at full size, sparse, before any process opens it."""
     whole, split = [], []
     for target, ref in jobs:
         ranges = fetcher.ranges(ref)
@@ -73,20 +87,19 @@ def plan(jobs: list[Job], n: int, fetcher: Fetcher) -> tuple[list[Plan], list[Jo
             split.append((target, ref, ranges))
         else:
             whole.append((target, ref))
+    ranges = [(t, *r) for t, r in _turns(split)]
+    # every process claims shared ranges; without them only as many as there are files
+    plans = [Plan() for _ in range(max(1, min(n, len(whole) + len(ranges))))]
     for target, ref in sorted(whole, key=lambda j: -j[1].size):
         least = min(plans, key=lambda p: p.bytes)
         least.jobs.append((target, ref))
         least.bytes += ref.size
-    starts: list[dict[Path, set[int]]] = [{} for _ in plans]
-    for target, (start, length) in _turns(split):
-        k = min(range(len(plans)), key=lambda i: plans[i].bytes)
-        starts[k].setdefault(target, set()).add(start)
-        plans[k].bytes += length
+    shared = {}
     for target, ref, _ in split:
         tmp = temporary(target)
         resume = resumable(tmp, ref)  # decided once, before any process opens it
         if not resume:  # made here, once, at full size and sparse: each process opens it as
-            # it is and reserves the blocks of its own ranges (``landing.reserve``), in
+            # it is and reserves the blocks of the ranges it lands (``landing.reserve``), in
             # parallel and as its bytes come (tmpfs zeroes what it reserves: ~0.3 s a GiB)
             target.parent.mkdir(parents=True, exist_ok=True)
             with local_write(tmp):
@@ -95,11 +108,64 @@ def plan(jobs: list[Job], n: int, fetcher: Fetcher) -> tuple[list[Plan], list[Jo
                     os.ftruncate(fd, ref.size)
                 finally:
                     os.close(fd)
-        for k, p in enumerate(plans):
-            if target in starts[k]:
-                p.jobs.append((target, ref))
-                p.shares[target] = Share(frozenset(starts[k][target]), resume)
-    return [p for p in plans if p.jobs], [(t, r) for t, r, _ in split]
+        shared[target] = (ref, resume)
+    if not ranges:
+        plans = [p for p in plans if p.jobs]
+    return Work(plans, shared, ranges)
+
+
+class Tickets:
+    """The shared ranges, claimed a batch at a time by any thread of any process: batch
+    numbers written into a pipe before the fork, its write end closed, read 4 bytes at a
+    time (a pipe read takes its bytes whole, under the pipe's lock, so no two readers get
+    the same ticket; a read at the end gets nothing). Batches of one range, unless the
+    pipe cannot hold a ticket for each (it grows to ``/proc/sys/fs/pipe-max-size``, 1 MiB
+    by default: 262,144 tickets, 4 TiB of 16 MiB ranges)."""
+
+    def __init__(self, ranges: list[Range]) -> None:
+        self.ranges = ranges
+        self.fd, w = os.pipe()
+        try:
+            room = _pipe_room(w, max(1, len(ranges)) * _TICKET.size)
+            fits = max(1, room // _TICKET.size)  # tickets the pipe holds: written in one go
+            self.batch = max(1, -(-len(ranges) // fits))
+            n = -(-len(ranges) // self.batch)  # ≤ fits
+            data = memoryview(b"".join(_TICKET.pack(i) for i in range(n)))
+            while data:
+                data = data[os.write(w, data) :]
+        except BaseException:
+            os.close(self.fd)
+            raise
+        finally:
+            os.close(w)
+
+    def claim(self) -> list[Range]:
+        """The next batch of ranges; [] once every one is claimed."""
+        got = os.read(self.fd, _TICKET.size)
+        if not got:
+            return []
+        (i,) = _TICKET.unpack(got)
+        return self.ranges[i * self.batch : (i + 1) * self.batch]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def _pipe_room(fd: int, want: int) -> int:
+    """Bytes the pipe holds, grown towards ``want`` where the system lets it (Linux: up to
+    ``pipe-max-size`` without privileges)."""
+    try:
+        most = int(PIPE_MAX_SIZE.read_text())
+    except (OSError, ValueError):
+        most = 1 << 20  # Linux's default
+    try:
+        return fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, min(want, most))
+    except (AttributeError, OSError):  # above pipe-max-size, the user's pipe quota, not Linux
+        try:
+            return fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ)
+        except (AttributeError, OSError):
+            return select.PIPE_BUF  # what any pipe holds
 
 
 @dataclass(frozen=True)
@@ -148,14 +214,19 @@ class WorkerProcesses:
     def start(self, jobs: list[Job]) -> None:
         lay = Fetcher(self.store, 1, self.part_size, self.verify)  # its ranges, its checks
         # no more processes than ranges in flight, which stay --concurrency in all
-        plans, self._installs = plan(jobs, min(self.processes, self.concurrency), lay)
-        each, extra = divmod(max(self.concurrency, len(plans)), len(plans))
+        work = plan(jobs, min(self.processes, self.concurrency), lay)
+        self._installs = [(t, ref) for t, (ref, _) in work.shared.items()]
+        tickets = Tickets(work.ranges) if work.ranges else None
+        each, extra = divmod(max(self.concurrency, len(work.plans)), len(work.plans))
         try:
-            for i, p in enumerate(plans):
-                self._children.append(self._fork(p, each + (i < extra)))
+            for i, p in enumerate(work.plans):
+                self._children.append(self._fork(p, work, tickets, each + (i < extra)))
         except BaseException:
             self._stop()
             raise
+        finally:
+            if tickets is not None:  # the workers' now; its end tells them none are left
+                tickets.close()
 
     def fetch_all(self, jobs: list[Job], progress: ByteProgress) -> None:
         if not self._children:
@@ -181,7 +252,7 @@ class WorkerProcesses:
         for target, _ in self._installs:  # every range of it landed and verified
             os.replace(temporary(target), target)
 
-    def _fork(self, work: Plan, threads: int) -> _Child:
+    def _fork(self, mine: Plan, work: Work, tickets: Tickets | None, threads: int) -> _Child:
         parent = os.getpid()
         sys.stdout.flush()
         sys.stderr.flush()  # nothing buffered is written twice
@@ -204,7 +275,8 @@ class WorkerProcesses:
                 os.close(r)
                 for sibling in self._children:  # their read ends: not ours to hold
                     os.close(sibling.fd)
-                _child_main(self, work, threads, w, parent, blocked)
+                shared = Shared(work.shared, tickets.claim) if tickets is not None else None
+                _child_main(self, mine.jobs, shared, threads, w, parent, blocked)
             finally:
                 os._exit(1)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
@@ -296,7 +368,13 @@ class _PipeProgress(ByteProgress):
 
 
 def _child_main(
-    procs: WorkerProcesses, work: Plan, threads: int, w: int, parent: int, mask: set
+    procs: WorkerProcesses,
+    jobs: list[Job],
+    shared: Shared | None,
+    threads: int,
+    w: int,
+    parent: int,
+    mask: set,
 ) -> None:
     code = 1
     try:
@@ -315,7 +393,7 @@ def _child_main(
         try:
             procs.store.after_fork()
             fetcher = Fetcher(procs.store, threads, procs.part_size, procs.verify)
-            fetcher.fetch_all(work.jobs, out, work.shares)
+            fetcher.fetch_all(jobs, out, shared)
             end: tuple[str, object] = ("done", [getattr(fetcher, n) for n in COUNTS])
             code = 0
         except BaseException as e:  # every failure goes to the parent
@@ -333,4 +411,4 @@ def _picklable(e: BaseException) -> BaseException:
         return PipelineError("pull", f"{type(e).__name__}: {e}", None)
 
 
-__all__ = ["Plan", "WorkerProcesses", "plan"]
+__all__ = ["Plan", "Tickets", "Work", "WorkerProcesses", "plan"]

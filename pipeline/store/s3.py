@@ -96,9 +96,10 @@ def _b64(hex_digest: str) -> str:
 ClientFactory = Callable[..., Any]
 
 
-# Worker processes a pull over TLS may use (``pull_processes``): 8 landed 3.1-3.8 GB/s and
-# 16 4.2 on 16 cores; each adds its interpreter, ~50-60 MiB (bench/RESULTS.md, 2026-12-07).
-MAX_PULL_PROCESSES = 8
+# Worker processes a pull over TLS may use (``pull_processes``): on 16 cores 16 landed
+# 1.12-1.26x what 8 did, in all four pairs of two hosts; each adds its interpreter, ~30-55
+# MiB (bench/RESULTS.md, thirtieth round, 2026-12-07).
+MAX_PULL_PROCESSES = 16
 
 
 class S3Store(Store):
@@ -294,15 +295,15 @@ class S3Store(Store):
         return super().read_range_into(key, start, buf)
 
     def pull_processes(self, cpus: int) -> int:
-        """Over TLS on our own reads, one process per two CPUs, at least 2 and at most
+        """Over TLS on our own reads, one process per CPU, at least 2 and at most
         ``MAX_PULL_PROCESSES``: each TLS read is one 16 KiB record and takes the GIL back,
-        and one process landed 1.0-1.25 GB/s on 16 cores whatever its threads; on 2 CPUs
-        two landed 1.00-1.28x one (bench/RESULTS.md, 2026-12-07). Over plain HTTP, on
-        botocore's path, or on one CPU, one."""
+        and one process landed 0.95-1.25 GB/s on 16 cores whatever its threads, 8 processes
+        3.8-6.5 GB/s and 16 4.3-7.4; on 2 CPUs two landed 1.00-1.28x one (bench/RESULTS.md,
+        2026-12-07). Over plain HTTP, on botocore's path, or on one CPU, one."""
         ranges = self.ranges
         if ranges is None or not ranges.tls or cpus < 2:
             return 1
-        return max(2, min(MAX_PULL_PROCESSES, cpus // 2))
+        return max(2, min(MAX_PULL_PROCESSES, cpus))
 
     def after_fork(self) -> None:
         """Forget the parent's connections: botocore's pool (which the manifest's GET left
