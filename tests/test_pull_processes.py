@@ -9,6 +9,7 @@ import collections
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -125,43 +126,72 @@ def test_a_shared_file_resumes_only_at_full_size_and_is_made_before_the_fork(tmp
     assert tmp.read_bytes() == bytes(4 * PART)  # made anew at full size, before any fork
 
 
-def _take(tickets: Tickets, got: list[int]) -> None:
+def _take(tickets: Tickets, got: list[int], go: Path) -> None:
+    while not go.exists():  # every process starts claiming at once
+        time.sleep(0.001)
     while batch := tickets.claim():
         got.extend(start for _, start, _ in batch)  # list.extend holds the GIL: whole
+        time.sleep(0.0005)  # so no one process takes them all before the others run
 
 
 def test_tickets_are_claimed_once_each_across_processes_and_batched_to_fit_the_pipe(
     tmp_path, monkeypatch
 ):
-    ranges = [(tmp_path / "f", i, 1) for i in range(5000)]
-    tickets = Tickets(ranges)
-    out = tmp_path / "claimed"
+    ranges = [(tmp_path / "f", i, 1) for i in range(3000)]
+    tickets, go = Tickets(ranges), tmp_path / "go"
     pids = []
     for _ in range(3):  # three processes, each two threads, claim until none are left
         pid = os.fork()
         if pid == 0:
             try:
                 got: list[int] = []
-                threads = [threading.Thread(target=_take, args=(tickets, got)) for _ in range(2)]
+                threads = [
+                    threading.Thread(target=_take, args=(tickets, got, go)) for _ in range(2)
+                ]
                 for t in threads:
                     t.start()
                 for t in threads:
                     t.join()
-                (out.parent / f"claimed-{os.getpid()}").write_text(json.dumps(got))
+                (tmp_path / f"claimed-{os.getpid()}").write_text(json.dumps(got))
             finally:
                 os._exit(0)
         pids.append(pid)
     tickets.close()
+    go.touch()
     for pid in pids:
         os.waitpid(pid, 0)
-    claimed = [s for f in tmp_path.glob("claimed-*") for s in json.loads(f.read_text())]
-    assert sorted(claimed) == list(range(5000))  # every range once
-    monkeypatch.setattr(processes_module, "_pipe_room", lambda fd, want: 4096)
-    small = Tickets(ranges)  # a pipe of 1,024 tickets: batches of 5 ranges
+    each = [json.loads(f.read_text()) for f in tmp_path.glob("claimed-*")]
+    assert sorted(s for got in each for s in got) == list(range(3000))  # every range once
+    assert len(each) == 3 and all(each)  # by every process
+    # A pipe that cannot grow past one page (pipe-max-size 4096): 1,024 tickets of 3 ranges,
+    # written whole before any reader (a ticket too many would block the write for good)
+    (tmp_path / "pipe-max-size").write_text("4096\n")
+    monkeypatch.setattr(processes_module, "PIPE_MAX_SIZE", tmp_path / "pipe-max-size")
+    small = Tickets(ranges)
     batches = list(iter(small.claim, []))
-    assert small.batch == 5 and len(batches) == 1000
+    assert small.batch == 3 and len(batches) == 1000
     assert [r for b in batches for r in b] == ranges
     small.close()
+
+
+def test_a_worker_holds_a_shared_file_open_only_while_landing_it(tmp_path):
+    """A worker may claim ranges of every file of a release: it must not keep each open
+    (a release of more files than the open files limit would fail)."""
+    store = LocalStore(tmp_path / "store")
+    files = {f"w{i}.bin": os.urandom(2 * PART) for i in range(200)}
+    make_release(store, tmp_path, buckets={"b1_s32": files}, part_size=PART)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # room for what the pull holds (pipes, the progress, a range per thread), not 200 files
+    room = len(os.listdir("/proc/self/fd")) + 48
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(room, soft), hard))
+    try:
+        r = pull_release(
+            store, "m", tmp_path / "d", version="v1", processes=2, concurrency=4, part_size=PART
+        )
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    for name, data in files.items():
+        assert (r.path / "buckets/b1_s32" / name).read_bytes() == data
 
 
 def _until_all_read(log: Path, workers: int) -> None:
@@ -186,7 +216,9 @@ def test_one_huge_file_is_landed_by_every_worker(store, tmp_path):
         return real(k, start, buf)
 
     store.read_range_into = read_range_into
-    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
+    r = pull_release(  # a thread each: two workers' threads cannot hold every range
+        store, "m", tmp_path / "d", version="v1", processes=3, concurrency=3, part_size=PART
+    )
     assert (r.path / "buckets/b1_s32/weights.bin").read_bytes() == big
     assert r.processes == 3 and len(set(log.read_text().split())) == 3
     assert not list((tmp_path / "d").rglob("*.incomplete"))
@@ -529,7 +561,9 @@ def test_each_worker_reserves_only_the_ranges_it_lands_of_a_shared_file(tmp_path
 
     store.read_range_into = read_range_into
     monkeypatch.setattr(fetcher_module, "reserve", reserve)
-    r = pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
+    r = pull_release(  # a thread each: two workers' threads cannot hold every range
+        store, "m", tmp_path / "d", version="v1", processes=3, concurrency=3, part_size=PART
+    )
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == big
     rows = [line.split() for line in log.read_text().splitlines()]
     assert sorted(int(start) for _, start, _ in rows) == [i * PART for i in range(12)]

@@ -5,7 +5,6 @@ checked whole where it has no part digests, and a stop from the caller drains th
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import itertools
 import os
@@ -77,6 +76,7 @@ class _File:
     # A killed pull's full-size temporary file: ranges whose parts already verify are kept.
     resume: bool = False
     shared: bool = False  # other processes land its other ranges (``Shared``)
+    inflight: int = 0  # of a shared file: this process's ranges of it being landed now
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -179,8 +179,8 @@ class Fetcher:
             for t in threads:
                 if t.ident is not None:  # started
                     t.join()
-            for f in [*files, *self._shared.values()]:
-                if f.fd is not None:  # unfinished, or shared
+            for f in files:
+                if f.fd is not None:  # unfinished
                     os.close(f.fd)
                     if f.ref.parts is None:  # unverified bytes: discard them
                         f.tmp.unlink(missing_ok=True)
@@ -212,8 +212,11 @@ class Fetcher:
         assert self._claim is not None
         try:
             while self._error is None:
-                with contextlib.suppress(queue.Empty):
+                try:
                     task = self._queue.get_nowait()
+                except queue.Empty:
+                    pass
+                else:
                     if task is None:  # stopped
                         self._queue.put(None)  # for the loop after this one
                         return
@@ -224,11 +227,26 @@ class Fetcher:
                     return
                 for target, start, length in claimed:
                     if self._error is None:
-                        self._land(self._shared[target], start, length)
+                        self._land_shared(self._shared[target], start, length)
         finally:
             with self._idle:
                 self._claiming -= 1
                 self._idle.notify_all()
+
+    def _land_shared(self, f: _File, start: int, length: int) -> None:
+        """Land a claimed range of a shared file. The file is open only while this process
+        lands a range of it: a worker may claim ranges of every file of the release, far
+        more than a container's open files allow at once."""
+        with f.lock:
+            f.inflight += 1
+        try:
+            self._land(f, start, length)
+        finally:
+            with f.lock:
+                f.inflight -= 1
+                if not f.inflight and f.fd is not None:
+                    os.close(f.fd)
+                    f.fd = None
 
     def _land(self, f: _File, start: int, length: int) -> None:
         """Land one range; finish the file if it was last."""
@@ -251,19 +269,21 @@ class Fetcher:
         pages), and its other ranges should be on the wire meanwhile, not waiting here. Of a
         shared file (made at full size by the caller) only this range's blocks are reserved:
         by the process that writes them, in parallel with the others."""
-        with f.lock, local_write(f.tmp):
-            if f.fd is None:
-                if f.resume or f.shared:
-                    f.fd = os.open(f.tmp, os.O_RDWR)
-                else:
-                    f.fd = preallocated(f.tmp, f.ref.size)
-            if f.shared and not f.resume:
-                reserve(f.fd, start, length)
-            return f.fd
+        with local_write(f.tmp):
+            with f.lock:
+                if f.fd is None:
+                    if f.resume or f.shared:
+                        f.fd = os.open(f.tmp, os.O_RDWR)
+                    else:
+                        f.fd = preallocated(f.tmp, f.ref.size)
+                fd = f.fd
+            if f.shared and not f.resume:  # outside the lock: its other ranges need not wait
+                reserve(fd, start, length)
+            return fd
 
     def _landed(self, f: _File, length: int) -> None:
         self.progress.advance(length)
-        if f.shared:  # closed at the end; the caller installs it once every process is done
+        if f.shared:  # the caller installs it once every process is done
             return
         with f.lock:
             f.left -= 1

@@ -216,7 +216,10 @@ class WorkerProcesses:
         # no more processes than ranges in flight, which stay --concurrency in all
         work = plan(jobs, min(self.processes, self.concurrency), lay)
         self._installs = [(t, ref) for t, (ref, _) in work.shared.items()]
-        tickets = Tickets(work.ranges) if work.ranges else None
+        try:
+            tickets = Tickets(work.ranges) if work.ranges else None
+        except OSError as e:  # the open files limit
+            raise _cannot_start(e) from None
         each, extra = divmod(max(self.concurrency, len(work.plans)), len(work.plans))
         try:
             for i, p in enumerate(work.plans):
