@@ -596,6 +596,24 @@ if sys.argv[4] == "stages":  # wall seconds inside each call that releases the G
     landing.part_matches = timed("part digests", landing.part_matches)
     landing.os.pwrite = timed("pwrite", landing.os.pwrite)
     landing._read = timed("ranged GETs (reads included)", landing._read)
+    # the pull's own worker processes (over --tls): each writes its timed calls to a file,
+    # summed below, so a pull of 16 workers is broken down as one process's is
+    import os, tempfile
+    from pipeline.install.fetcher import Fetcher
+    parent, by_worker = os.getpid(), tempfile.mkdtemp(prefix="bench-pull-stages-")
+    real_fetch_all = Fetcher.fetch_all
+    def fetch_all(self, *a, **k):
+        if os.getpid() == parent:
+            return real_fetch_all(self, *a, **k)
+        before = (dict(stages), dict(calls))  # what the parent had timed before the fork
+        try:
+            return real_fetch_all(self, *a, **k)
+        finally:
+            mine = [{n: v - was.get(n, 0) for n, v in now.items()}
+                    for now, was in ((stages, before[0]), (calls, before[1]))]
+            with open(f"{by_worker}/{os.getpid()}.json", "w") as f:
+                json.dump(mine, f)
+    Fetcher.fetch_all = fetch_all
 if sys.argv[4] == "unverified":  # diagnostic: the transport alone, every digest taken as equal
     class Equal(str):
         __hash__ = str.__hash__
@@ -615,6 +633,12 @@ store_s = time.perf_counter() - t
 r = pull.pull_release(store, "bench", Path(sys.argv[2]), version=sys.argv[5], concurrency=c,
                       processes=p)
 hwm = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
+if sys.argv[4] == "stages":
+    for worker in Path(by_worker).glob("*.json"):
+        for mine, into in zip(json.loads(worker.read_text()), (stages, calls)):
+            for n, v in mine.items():
+                into[n] = into.get(n, 0) + v
+    __import__("shutil").rmtree(by_worker)
 if procs or s5 or r.processes > 1:  # children run beside us: at most each one's peak, at once
     import resource
     n = max(procs, r.processes, 1)
