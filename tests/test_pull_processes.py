@@ -127,7 +127,8 @@ def test_a_shared_file_resumes_only_at_full_size_and_is_made_before_the_fork(tmp
 
 
 def _take(tickets: Tickets, got: list[int], go: Path) -> None:
-    while not go.exists():  # every process starts claiming at once
+    deadline = time.monotonic() + 30
+    while not go.exists() and time.monotonic() < deadline:  # every process starts at once
         time.sleep(0.001)
     while batch := tickets.claim():
         got.extend(start for _, start, _ in batch)  # list.extend holds the GIL: whole
