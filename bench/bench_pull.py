@@ -23,8 +23,9 @@ baselines measured in the same run on the same endpoint:
   memory, then each part read back from the page cache into a 1 MiB buffer and hashed: fewer
   trips through memory per byte; a bad or short part fetched again apart); ``lean-ktls``
   (over ``--tls``: OpenSSL asked to hand decryption to the kernel, and the TLS reads counted:
-  in user space each returns one 16 KiB record); ``lean-recv`` (a body read by the socket's
-  ``recv_into`` alone, without http.client's two Python layers a read); and ``lean-s5cmd``:
+  in user space each returns one 16 KiB record); ``lean-readinto`` (a body read through
+  http.client's ``readinto``, two Python layers a read, as before the pull read it with the
+  socket's own ``recv_into``: the baseline of that change); and ``lean-s5cmd``:
   s5cmd lands every file and the pull checks each file's parts as s5cmd reports it landed
   (``INF2_BENCH_S5CMD_CHECKERS`` threads, ``INF2_BENCH_S5CMD_ARGS`` more s5cmd flags);
   ``lean-s5cmdN``, the same with s5cmd's ``--numworkers N`` (N files at a time, so that the
@@ -362,7 +363,7 @@ if __import__("os").environ.get("INF2_BENCH_KTLS"):  # experiment (--pulls lean-
             tally[0], tally[1] = tally[0] + 1, tally[1] + n
         return n
     ssl.SSLSocket.recv_into = recv_into
-# For the experiments that read a 206 body past http.client (lean-recv, lean-splice): the body's
+# For the experiment that reads a 206 body past http.client into a file (lean-splice): the body's
 # first bytes that the headers' reads left in the response's BufferedReader (CPython's peek
 # returns only what is buffered when that is anything, bufferedio.c; read1 takes just those),
 # and the end of the body as http.client's readinto marks it (length 0, the response's file
@@ -375,29 +376,21 @@ def finish_body(resp, got, what):
     resp._close_conn()
     if resp.length:  # the connection ended first: read_into drops it, the range is retried
         raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
-if __import__("os").environ.get("INF2_BENCH_RECV"):  # experiment (--pulls lean-recv): a 206
-    # body read by the socket's own recv_into, not through http.client's BufferedReader and
-    # socket.SocketIO: over TLS each read is one 16 KiB record, and those two layers are two
-    # Python calls a record, each with the GIL held
+if __import__("os").environ.get("INF2_BENCH_READINTO"):  # baseline (--pulls lean-readinto): a
+    # 206 body read through http.client's readinto (its BufferedReader and socket.SocketIO, two
+    # Python calls a TLS record), as the pull read it before 2026-12-07
     from pipeline.store import s3_ranges
-    plain_body = s3_ranges.RangeReader._body
-    def body(self, resp, start, buf, what, bucket, key):
-        sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)
-        if resp.status != 206 or resp.chunked or resp.length is None or sock is None:
-            return plain_body(self, resp, start, buf, what, bucket, key)
-        s3_ranges.check_content_range(resp.getheader("Content-Range") or "", start, what)
-        want = min(resp.length, len(buf))
-        pre = buffered_head(resp, want)
-        buf[: len(pre)] = pre
-        got, recv_into = len(pre), sock.recv_into
+    def read_via_http_client(resp, sock, view, length, what):
+        got = 0
         try:
-            while got < want and (n := recv_into(buf[got:want])):
+            while got < len(view) and (n := resp.readinto(view[got:])):
                 got += n
         except (OSError, s3_ranges.http.client.HTTPException) as e:
             raise s3_ranges._unreachable(what, e) from None
-        finish_body(resp, got, what)
-        return got
-    s3_ranges.RangeReader._body = body
+        if got < len(view):
+            raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
+        return got, resp.isclosed() and not resp.length
+    s3_ranges._read_direct = read_via_http_client
 splice_pipe = int(__import__("os").environ.get("INF2_BENCH_SPLICE", "0"))
 if splice_pipe:  # experiment (--pulls lean-splice): a 206 body moved from the socket into the
     # temporary file at its offset by splice(2), through one pipe per thread, never entering
@@ -448,12 +441,12 @@ if splice_pipe:  # experiment (--pulls lean-splice): a 206 body moved from the s
                     k = os.splice(r, fd, n, offset_dst=start + got)
                     n, got = n - k, got + k
         return got
-    def body(self, resp, start, buf, what, bucket, key):
+    def body(self, conn, resp, start, buf, what, bucket, key):
         target = getattr(local, "target", None)
-        sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)
+        sock = conn.sock
         if (target is None or resp.status != 206 or resp.chunked or resp.length is None
                 or resp.length > len(buf) or isinstance(sock, ssl.SSLSocket) or sock is None):
-            return plain_body(self, resp, start, buf, what, bucket, key)  # TLS: ciphertext
+            return plain_body(self, conn, resp, start, buf, what, bucket, key)  # TLS: ciphertext
         s3_ranges.check_content_range(resp.getheader("Content-Range") or "", start, what)
         local.spliced = True
         try:
@@ -464,7 +457,7 @@ if splice_pipe:  # experiment (--pulls lean-splice): a 206 body moved from the s
                 raise s3_ranges._unreachable(what, e) from None
             raise
         finish_body(resp, got, what)
-        return got  # fewer than len(buf) where Content-Length said so: tail parts short
+        return got, True  # fewer than len(buf) where Content-Length said so: tail parts short
     s3_ranges.RangeReader._body = body
     def spare(n):  # this thread's range buffer: untouched, so not resident, unless a reply
         # falls back to the plain path or a part is fetched again
@@ -591,7 +584,11 @@ if sys.argv[4] == "stages":  # wall seconds inside each call that releases the G
                     stages[name] = stages.get(name, 0.0) + time.perf_counter() - t
                     calls[name] = calls.get(name, 0) + 1
         return call
-    socket.SocketIO.readinto = timed("socket reads", socket.SocketIO.readinto)
+    # the socket's own reads (the pull's body reads call them directly, http.client's header
+    # reads through socket.SocketIO): an SSLSocket's decrypts and does not call the plain one
+    import ssl
+    socket.socket.recv_into = timed("socket reads", socket.socket.recv_into)
+    ssl.SSLSocket.recv_into = timed("socket reads", ssl.SSLSocket.recv_into)
     landing.hashlib = type("H", (), {"sha256": staticmethod(timed("sha256", hashlib.sha256))})
     landing.part_matches = timed("part digests", landing.part_matches)
     landing.os.pwrite = timed("pwrite", landing.os.pwrite)
@@ -748,7 +745,7 @@ VARIANTS = {
     "lean-stream": "each range streamed in 1 MiB chunks, hashed and written in cache (experiment)",
     "lean-splice": "each 206 body spliced socket → file, parts read back and hashed (experiment)",
     "lean-ktls": "TLS decrypted in the kernel where it can, reads counted (experiment)",
-    "lean-recv": "bodies read by the socket's recv_into alone (experiment)",
+    "lean-readinto": "bodies read through http.client's readinto (the read path before 2026-12-07)",
     # and lean-procsN: N worker processes; lean-s5cmdN: s5cmd's --numworkers N, so that
     # files land (and are checked) one batch after another, not all at the end (experiments)
 }
@@ -841,8 +838,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 experiment = {"INF2_BENCH_SPARSE": "1"}
             if gets.endswith("-stream"):
                 experiment = {"INF2_BENCH_STREAM": str(STREAM_CHUNK)}
-            if gets.endswith("-recv"):
-                experiment = {"INF2_BENCH_RECV": "1"}
+            if gets.endswith("-readinto"):
+                experiment = {"INF2_BENCH_READINTO": "1"}
             if gets.endswith("-ktls"):
                 experiment = {"INF2_BENCH_KTLS": "1"}
             if gets.endswith("-splice"):
@@ -851,7 +848,11 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 experiment = {"INF2_BENCH_S5CMD": str(Path(args.s5cmd).resolve())}
                 if workers := gets.removeprefix("lean-s5cmd"):
                     experiment["INF2_BENCH_S5CMD_ARGS"] = f"--numworkers {workers}"
-            if experiment and "INF2_BENCH_PULL_PROCESSES" not in experiment:
+            if (
+                experiment
+                and "INF2_BENCH_PULL_PROCESSES" not in experiment
+                and not gets.endswith("-readinto")
+            ):  # a baseline: the pull's own processes
                 # an experiment changes one process's landing: measured in one, as before
                 experiment["INF2_BENCH_PULL_PROCESSES"] = "1"
             gets, version = _gets_and_version(gets)

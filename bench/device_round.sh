@@ -81,7 +81,8 @@ run() {
   echo "== done"
 }
 stage_serve2048() {
-  stage serve2048 300 python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
+  # NEED2048 overrides the seconds it needs (fewer ways need less)
+  stage serve2048 "${NEED2048:-300}" python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
     --client-procs "${CLIENT_PROCS:-4}" \
     --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch "${more2048[@]}" \
     --json "$R/serve-s2048.json"
@@ -151,6 +152,7 @@ stage_pulltls() {
 # idle process holding a CUDA context keeps the driver up for the call's servers without
 # changing a setting; it goes with the script.
 nvidia-smi --query-gpu=name,persistence_mode --format=csv,noheader >"$R/gpu.txt" 2>&1
+df -T /tmp /dev/shm >>"$R/gpu.txt" 2>&1  # where bench_pull lands (tmpfs zeroes what is reserved)
 # How fast this host runs single-threaded Python, and how loaded it is: the twenty-sixth
 # round's host ran the pull's imports 1.8-2.3x slower than others and its server's event
 # loop was late by tens of ms, so rounds on different hosts are compared by this line too

@@ -28,6 +28,7 @@ from pipeline.install import fetcher as fetcher_module
 from pipeline.install import processes as processes_module
 from pipeline.install import pull as pull_module
 from pipeline.install.fetcher import Fetcher
+from pipeline.install.installed import BUCKETS, release_files
 from pipeline.install.landing import PART_RETRIES
 from pipeline.install.processes import Tickets, _picklable, plan
 from pipeline.install.pull import default_processes, pull_release
@@ -35,6 +36,7 @@ from pipeline.store import open_store
 from pipeline.store.local import LocalStore
 from pipeline.store.refs import FileRef
 from pipeline.store.s3 import MAX_PULL_PROCESSES, S3Store
+from pipeline.store.verified import read_verified
 from tests.fault_proxy import FaultProxy, ranged_get_of
 from tests.release_factory import make_release
 
@@ -522,6 +524,76 @@ def test_a_failing_worker_ends_its_blocked_siblings_at_once(tmp_path):
     with pytest.raises(IntegrityError, match="bad bytes"):
         pull_release(store, "m", tmp_path / "d", version="v1", processes=3, part_size=PART)
     assert time.monotonic() - t < 30 and not _forked_children()
+
+
+def test_a_second_ctrl_c_waits_until_every_worker_is_reaped(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "store")
+    make_release(store, tmp_path, buckets={"b1_s32": _files(4, 8 * PART)}, part_size=PART)
+    parent, real = os.getpid(), store.read_range_into
+
+    def read_range_into(key, start, buf):
+        if os.getpid() != parent:
+            time.sleep(60)  # every worker is busy when the pull is stopped
+        return real(key, start, buf)
+
+    store.read_range_into = read_range_into
+    manifest = read_verified(store, "m", version="v1").manifest
+    jobs = [(tmp_path / "d" / rel, ref) for rel, ref in release_files(manifest)]
+    workers = processes_module.WorkerProcesses(store, 3, 3, PART, "parts")
+    workers.start(jobs)
+    assert workers.started == 3
+    real_kill = os.kill
+
+    def kill(pid, sig):  # the user presses Ctrl-C again as the first worker is killed
+        real_kill(pid, sig)
+        real_kill(parent, signal.SIGINT)
+
+    monkeypatch.setattr(os, "kill", kill)
+    with pytest.raises(KeyboardInterrupt):
+        workers.close()
+    monkeypatch.setattr(os, "kill", real_kill)
+    assert not _forked_children()
+
+
+def test_workers_leave_ctrl_c_to_the_pull(tmp_path):
+    """A terminal's Ctrl-C reaches every process of its group; the workers ignore it and
+    the pull decides (here: nothing stops it, so every byte lands)."""
+    store = LocalStore(tmp_path / "store")
+    files = _files(4, 4 * PART)
+    make_release(store, tmp_path, buckets={"b1_s32": files}, part_size=PART)
+    parent, real = os.getpid(), store.read_range_into
+    reading, go = tmp_path / "reading", tmp_path / "go"
+
+    def read_range_into(key, start, buf):
+        if os.getpid() != parent:
+            with open(reading, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            deadline = time.monotonic() + 30
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real(key, start, buf)
+
+    store.read_range_into = read_range_into
+    manifest = read_verified(store, "m", version="v1").manifest
+    jobs = [(tmp_path / "d" / rel, ref) for rel, ref in release_files(manifest)]
+    workers = processes_module.WorkerProcesses(store, 2, 2, PART, "parts")
+    workers.start(jobs)
+    try:
+        deadline = time.monotonic() + 30
+        while len(set(reading.read_text().split()) if reading.exists() else ()) < 2:
+            assert time.monotonic() < deadline, "the workers did not start reading"
+            time.sleep(0.01)
+        for child in workers._children:
+            os.kill(child.pid, signal.SIGINT)
+        go.touch()
+        try:
+            workers.fetch_all(jobs, processes_module.ByteProgress(None, None))
+        except KeyboardInterrupt:  # a worker's, sent on as its failure
+            pytest.fail("a worker took the Ctrl-C for itself")
+    finally:
+        workers.close()
+    for rel, data in files.items():
+        assert (tmp_path / "d" / BUCKETS / "b1_s32" / rel).read_bytes() == data
 
 
 class _Recording(LocalStore):

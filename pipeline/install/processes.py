@@ -322,14 +322,20 @@ class WorkerProcesses:
         if self._stopped:
             return
         self._stopped = True
-        for child in self._children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signal.SIGKILL)
-        for child in self._children:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(child.pid, 0)
-            with contextlib.suppress(OSError):
-                os.close(child.fd)
+        # a second Ctrl-C (or a SIGTERM) waits until every child is killed and reaped, which
+        # takes milliseconds: raised in the middle, it would leave the rest unreaped
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            for child in self._children:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGKILL)
+            for child in self._children:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(child.pid, 0)
+                with contextlib.suppress(OSError):
+                    os.close(child.fd)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _cannot_start(e: OSError) -> PipelineError:

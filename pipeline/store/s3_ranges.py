@@ -5,9 +5,9 @@ the end, with the GIL held between them; at several GB/s that costs more CPU tha
 the bytes. Here botocore only signs: a presigned GET URL (made locally, from the client's
 credential chain, endpoint, region and addressing style). The request goes out with the
 standard library's ``http.client`` on a keep-alive connection owned by the calling thread,
-with ``Range`` as a plain header (a presigned URL signs only ``host``), and the body is read
-with ``readinto`` into the caller's buffer: socket reads that release the GIL and make no
-intermediate objects.
+with ``Range`` as a plain header (a presigned URL signs only ``host``), and a 206 body is
+read by the socket's own ``recv_into`` into the caller's buffer (``_read_direct``): socket
+reads that release the GIL and make no intermediate objects.
 
 Settings come from the client's own HTTP session (TLS verification and CA bundle, client
 certificate, proxies) and config (timeouts). Where they cannot be read, or where botocore
@@ -130,27 +130,34 @@ class RangeReader:
             except (OSError, http.client.HTTPException) as e:
                 self._drop(conn_key)
                 raise _unreachable(what, e) from None
+            complete = False  # whether the reply was read to its end (an error's too)
             try:
-                return self._body(resp, start, buf, what, bucket, key)
-            finally:
-                # Reused only when the reply was read to its end and the server keeps it open.
-                if resp.will_close or not resp.isclosed() or resp.length:
+                got, complete = self._body(conn, resp, start, buf, what, bucket, key)
+                return got
+            except BaseException:
+                complete = resp.isclosed() and not resp.length
+                raise
+            finally:  # reused only when the reply was read whole and the server keeps it open
+                if resp.will_close or not complete:
                     self._drop(conn_key)
         raise AssertionError("unreachable")
 
     def _body(
         self,
+        conn: http.client.HTTPConnection,
         resp: http.client.HTTPResponse,
         start: int,
         buf: memoryview,
         what: str,
         bucket: str,
         key: str,
-    ) -> int:
+    ) -> tuple[int, bool]:
+        """The reply's body read into ``buf``: the count read, and whether the reply was read
+        to its end (its connection can serve the next request)."""
         status = resp.status
         if status == 416:  # InvalidRange: at or past the end, nothing there
             resp.read(MAX_ERROR_BODY)
-            return 0
+            return 0, resp.isclosed()
         if status not in (200, 206):
             if status == 403:  # maybe an expired signature: the next attempt signs anew
                 with self._urls_lock:
@@ -159,15 +166,18 @@ class RangeReader:
             if code in BOTOCORE_ONLY or status in (301, 307):
                 raise BotocoreOnly(what, f"S3 answered {status} {code}", None)
             raise error
-        skip = start if status == 200 else 0  # 200: the whole object (a server without ranges)
         if status == 206:
             check_content_range(resp.getheader("Content-Range") or "", start, what)
+            length, sock = resp.length, conn.sock
+            if length is not None and not resp.chunked and sock is not None:
+                return _read_direct(resp, sock, buf[: min(length, len(buf))], length, what)
+        skip = start if status == 200 else 0  # 200: the whole object (a server without ranges)
         got = 0
         try:
             while skip:
                 n = resp.readinto(buf[: min(skip, len(buf))])
                 if not n:
-                    return 0
+                    return 0, False
                 skip -= n
             while got < len(buf):
                 n = resp.readinto(buf[got:])
@@ -178,7 +188,8 @@ class RangeReader:
             raise _unreachable(what, e) from None
         if resp.length and got < len(buf):  # the connection ended before Content-Length did
             raise StoreError(what, f"connection closed after {got} bytes of a range", "retry")
-        return got  # the rest of a longer body (a 200) is dropped with the connection
+        # the rest of a longer body (a 200) is dropped with the connection
+        return got, resp.isclosed() and not resp.length
 
     def _url(self, bucket: str, key: str) -> str:
         now = time.monotonic()
@@ -234,6 +245,34 @@ class RangeReader:
         """Close this thread's connections (they are closed anyway when the thread ends)."""
         for conn in self._local.__dict__.pop("conns", {}).values():
             conn.close()
+
+
+def _read_direct(
+    resp: http.client.HTTPResponse, sock: Any, view: memoryview, length: int, what: str
+) -> tuple[int, bool]:
+    """A 206 body of ``length`` bytes read into ``view`` by the socket's own ``recv_into``,
+    past http.client's ``BufferedReader`` and ``SocketIO``: over TLS each read is one 16 KiB
+    record, and those two layers were two Python calls a record with the GIL held (~1.7 µs
+    a record, 0.08-0.36 CPU-s/GB on the 2-core VM; bench/RESULTS.md, 2026-12-07). First the
+    body's bytes that the header reads left buffered (``read1`` takes only those, or makes
+    one read), then the response is closed (its buffered file, not the socket, so the
+    keep-alive connection serves the next request) and the rest comes from the socket,
+    straight into ``view``."""
+    got = 0
+    try:
+        # peek: what is buffered, or one read of the buffer's size (read1 alone, with nothing
+        # buffered, would allocate a bytes object of the whole range for one record)
+        head = resp.fp.read1(min(len(resp.fp.peek(1)), len(view))) if len(view) else b""
+        view[: len(head)] = head
+        got = len(head)
+        resp.close()
+        while got < len(view) and (n := sock.recv_into(view[got:])):
+            got += n
+    except (OSError, http.client.HTTPException) as e:
+        raise _unreachable(what, e) from None
+    if got < len(view):  # the connection ended before Content-Length did
+        raise StoreError(what, f"connection closed after {got} bytes of a range", "retry")
+    return got, got == length
 
 
 def check_content_range(content_range: str, start: int, what: str) -> None:
