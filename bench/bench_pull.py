@@ -18,7 +18,8 @@ baselines measured in the same run on the same endpoint:
   ``lean-procsN`` (the ranges landed by N forked worker processes, one GIL each),
   ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); ``lean-stream``
   (each range read 1 MiB at a time into one buffer per thread, each MiB hashed and written
-  while in cache; a part trusted once its digest matched, a bad one fetched again);
+  while in cache; a part trusted once its digest matched, a bad one fetched again; since
+  2026-12-07 with the pull's own worker processes, where the others run in one);
   ``lean-splice`` (each 206 body moved socket → pipe → file by ``splice``, never into user
   memory, then each part read back from the page cache into a 1 MiB buffer and hashed: fewer
   trips through memory per byte; a bad or short part fetched again apart); ``lean-ktls``
@@ -282,30 +283,36 @@ if chunk:  # experiment (--pulls lean-stream): each range streamed through one s
     import blake3
     from pipeline.store import s3_ranges
     local, plain_body = threading.local(), s3_ranges.RangeReader._body
-    def body(self, resp, start, buf, what, bucket, key):
-        sink = getattr(local, "sink", None)
-        if sink is None or resp.status != 206:
-            return plain_body(self, resp, start, buf, what, bucket, key)
+    def body(self, conn, resp, start, buf, what, bucket, key):
+        sink, sock = getattr(local, "sink", None), conn.sock
+        if (sink is None or resp.status != 206 or resp.chunked or resp.length is None
+                or resp.length > len(buf) or sock is None):
+            return plain_body(self, conn, resp, start, buf, what, bucket, key)
         s3_ranges.check_content_range(resp.getheader("Content-Range") or "", start, what)
         small = getattr(local, "small", None)
         if small is None:
             local.small = small = memoryview(bytearray(chunk))
-        got = 0
-        try:
-            while got < len(buf):
-                piece, n = small[: min(chunk, len(buf) - got)], 0
-                while n < len(piece) and (k := resp.readinto(piece[n:])):
+        want, got = resp.length, 0
+        try:  # as the pull reads a body (s3_ranges._read_direct), a chunk at a time
+            head = buffered_head(resp, min(want, chunk))
+            small[: len(head)] = head
+            n = len(head)
+            resp.close()
+            while got < want:
+                piece = small[: min(chunk, want - got)]
+                while n < len(piece) and (k := sock.recv_into(piece[n:])):
                     n += k
                 if n:
                     sink(piece[:n], start + got)
                 got += n
                 if n < len(piece):
                     break
+                n = 0
         except (OSError, s3_ranges.http.client.HTTPException) as e:
             raise s3_ranges._unreachable(what, e) from None
-        if resp.length and got < len(buf):
+        if got < want:
             raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
-        return got
+        return got, True
     s3_ranges.RangeReader._body = body
     plain_land = landing.land_range
     def land_range(store, job, open_fd):
@@ -851,8 +858,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             if (
                 experiment
                 and "INF2_BENCH_PULL_PROCESSES" not in experiment
-                and not gets.endswith("-readinto")
-            ):  # a baseline: the pull's own processes
+                and not gets.endswith(("-readinto", "-stream"))
+            ):  # measured with the pull's own processes (over TLS, its workers)
                 # an experiment changes one process's landing: measured in one, as before
                 experiment["INF2_BENCH_PULL_PROCESSES"] = "1"
             gets, version = _gets_and_version(gets)
