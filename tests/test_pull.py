@@ -292,7 +292,8 @@ def test_pull_path_imports_no_torch():
 
 def test_a_pull_from_s3_starts_without_boto3(s3_store_url, tmp_path):
     """The init container's cold path: clients are botocore's and pull's GETs its own, so
-    boto3 and s3transfer (~0.1 s of imports) load only for managed uploads and downloads."""
+    boto3 and s3transfer (~0.1 s of imports) load only for managed uploads and downloads;
+    rich (~26-35 ms) only for a terminal's progress bar or another command's tables."""
     make_release(open_store(s3_store_url), tmp_path)
     code = (
         "import sys\n"
@@ -300,7 +301,7 @@ def test_a_pull_from_s3_starts_without_boto3(s3_store_url, tmp_path):
         f"sys.argv = ['inf2-pipeline', 'pull', 'm', '--version', 'v1', '--store', "
         f"{s3_store_url!r}, '--dest', {str(tmp_path / 'dest')!r}]\n"
         "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
-        "loaded = [m for m in ('boto3', 's3transfer', 'torch') if m in sys.modules]\n"
+        "loaded = [m for m in ('boto3', 's3transfer', 'torch', 'rich') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
