@@ -526,6 +526,15 @@ def test_a_failing_worker_ends_its_blocked_siblings_at_once(tmp_path):
     assert time.monotonic() - t < 30 and not _forked_children()
 
 
+def _started_workers(store, dest: Path, n: int):
+    """``n`` worker processes started on release m v1 of ``store``, and their jobs."""
+    manifest = read_verified(store, "m", version="v1").manifest
+    jobs = [(dest / rel, ref) for rel, ref in release_files(manifest)]
+    workers = processes_module.WorkerProcesses(store, n, n, PART, "parts")
+    workers.start(jobs)
+    return workers, jobs
+
+
 def test_a_second_ctrl_c_waits_until_every_worker_is_reaped(tmp_path, monkeypatch):
     store = LocalStore(tmp_path / "store")
     make_release(store, tmp_path, buckets={"b1_s32": _files(4, 8 * PART)}, part_size=PART)
@@ -537,10 +546,7 @@ def test_a_second_ctrl_c_waits_until_every_worker_is_reaped(tmp_path, monkeypatc
         return real(key, start, buf)
 
     store.read_range_into = read_range_into
-    manifest = read_verified(store, "m", version="v1").manifest
-    jobs = [(tmp_path / "d" / rel, ref) for rel, ref in release_files(manifest)]
-    workers = processes_module.WorkerProcesses(store, 3, 3, PART, "parts")
-    workers.start(jobs)
+    workers, _ = _started_workers(store, tmp_path / "d", 3)
     assert workers.started == 3
     real_kill = os.kill
 
@@ -574,10 +580,7 @@ def test_workers_leave_ctrl_c_to_the_pull(tmp_path):
         return real(key, start, buf)
 
     store.read_range_into = read_range_into
-    manifest = read_verified(store, "m", version="v1").manifest
-    jobs = [(tmp_path / "d" / rel, ref) for rel, ref in release_files(manifest)]
-    workers = processes_module.WorkerProcesses(store, 2, 2, PART, "parts")
-    workers.start(jobs)
+    workers, jobs = _started_workers(store, tmp_path / "d", 2)
     try:
         deadline = time.monotonic() + 30
         while len(set(reading.read_text().split()) if reading.exists() else ()) < 2:
