@@ -138,11 +138,15 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
 }
 # the same over TLS, as S3 is reached (the certificate in .devrun/tls, made by
 # prepare_device_bench.sh: the device image may lack openssl); by default the pull as it is
-# (a worker per CPU over https, 32 in flight) beside a thread a worker (lean:16: cheaper per
-# GB on the 2-core VM, thirtieth round), each broken down by its timed calls (stages)
+# (a worker per CPU over https, 32 in flight, bodies read by the socket's recv_into) beside
+# lean-stream (each range landed a MiB at a time while in cache: 1.04x and 4 % less CPU per
+# GB on the 2-core VM with the pull's workers, 2026-12-07; a landed byte crosses memory
+# fewer times, which 16 cores sharing one memory may need more), lean-readinto (the read
+# path before, the baseline of recv_into) and a thread a worker (lean:16: cheaper per GB on
+# the 2-core VM, thirtieth round), each broken down by its timed calls (stages)
 stage_pulltls() {
   stage pulltls 240 python3 bench/bench_pull.py --gib 16 --shapes 4,64 \
-    --pulls "${PULLS_TLS:-lean,lean:16}" --tls --tls-dir .devrun/tls \
+    --pulls "${PULLS_TLS:-lean,lean-stream,lean-readinto,lean:16}" --tls --tls-dir .devrun/tls \
     --skip curl,boto3,gil --best-of 1 --nginx .devrun/bin/nginx-wrap \
     --s5cmd .devrun/bin/s5cmd --out "$R/pull16-tls.json"
 }
