@@ -35,6 +35,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from pipeline._files import FILE_MODE
@@ -322,20 +323,36 @@ class WorkerProcesses:
         if self._stopped:
             return
         self._stopped = True
-        # a second Ctrl-C (or a SIGTERM) waits until every child is killed and reaped, which
-        # takes milliseconds: raised in the middle, it would leave the rest unreaped
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            for child in self._children:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child.pid, signal.SIGKILL)
-            for child in self._children:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(child.pid, 0)
-                with contextlib.suppress(OSError):
-                    os.close(child.fd)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        # A second Ctrl-C (or a SIGTERM) raised in the middle would leave the rest unkilled
+        # and unreaped; blocking the signals would not do, as the kernel hands them to any
+        # thread that does not block them (a progress bar's) and Python raises them here
+        # anyway. So each step is done whatever is raised meanwhile, and the first such
+        # exception is raised once every child is reaped (milliseconds: each was SIGKILLed).
+        first: BaseException | None = None
+        for step in [*(partial(_kill, c) for c in self._children),
+                     *(partial(_reap, c) for c in self._children)]:  # fmt: skip
+            while True:
+                try:
+                    step()
+                    break
+                except BaseException as e:  # a signal's exception: this step once more
+                    first = first or e
+        if first is not None:
+            raise first
+
+
+def _kill(child: _Child) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(child.pid, signal.SIGKILL)
+
+
+def _reap(child: _Child) -> None:
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(child.pid, 0)
+    if child.fd >= 0:
+        fd, child.fd = child.fd, -1  # closed once, even if this step runs again
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _cannot_start(e: OSError) -> PipelineError:
