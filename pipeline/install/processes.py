@@ -335,7 +335,10 @@ class WorkerProcesses:
                 try:
                     step()
                     break
-                except BaseException as e:  # a signal's exception: this step once more
+                except Exception as e:  # not a signal's: kept, and on to the next step
+                    first = first or e
+                    break
+                except BaseException as e:  # a signal's (Ctrl-C, SIGTERM): this step again
                     first = first or e
         if first is not None:
             raise first
