@@ -40,9 +40,11 @@ directory, best of two. The pull runs as its own process (``python -c``, like th
 which also reports its peak resident set (VmHWM).
 Each pull variant also gets one run with every call that releases the GIL timed (where its
 threads wait) and, as a diagnostic only, two with its sha256 skipped (what hashing costs).
-Also measured: the host's memory copy bandwidth by threads (a landed byte crosses memory
-several times), nearest-bucket selection per call, and the CLI's start time for
-``pull --help`` (the init container's cold path).
+The pull with its defaults also runs through the CLI (``cli pull``: the init container's
+command, the CLI's imports included, which the script of the other pull rows does not
+import; ``--skip cli`` leaves it out). Also measured: the host's memory copy bandwidth by
+threads (a landed byte crosses memory several times), nearest-bucket selection per call,
+and the CLI's start time for ``pull --help`` (the init container's cold path).
 
     python bench/bench_pull.py [--gib 2] [--shapes 4,64] [--concurrency N]
                                [--pulls lean,lean:64,lean-sha256,botocore] [--work DIR]
@@ -82,6 +84,7 @@ from pipeline.store.manifest import BucketEntry, Manifest
 from pipeline.store.s3 import GETS_ENV
 
 BUCKET = "bench-bucket"
+CLI_ROW = "cli pull (inf2-pipeline pull, defaults)"
 SHA256_ONLY = "v1-sha256"  # the release as schema 2 wrote it
 NGINX_CONF = """
 daemon off; worker_processes auto; pid {root}/nginx.pid; error_log {root}/nginx.err;
@@ -678,8 +681,9 @@ def main() -> None:
     ap.add_argument(
         "--skip",
         default="",
-        help="comma-separated, of curl, boto3 (those baselines), stages (the timed-calls and "
-        "unverified diagnostics), gil (the one-thread GIL figure): what a 16 GiB run can spare",
+        help="comma-separated, of curl, boto3 (those baselines), cli (the pull through the CLI, "
+        "as the init container runs it), stages (the timed-calls and unverified diagnostics), "
+        "gil (the one-thread GIL figure): what a 16 GiB run can spare",
     )
     ap.add_argument(
         "--tls",
@@ -822,6 +826,16 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
             )  # fmt: skip
 
+        def cli_pull() -> None:  # the init container's command, its interpreter's start included
+            code = "import sys; from pipeline.cli import main; sys.argv[0] = 'inf2-pipeline'; "
+            code += "main()"
+            subprocess.run(
+                [sys.executable, "-c", code, "pull", "bench", "--version", "v1", "--store",
+                 f"s3://{BUCKET}/store?addressing_style=path", "--dest", str(root / "pulled-cli")],
+                check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                cwd=Path(__file__).resolve().parent.parent,
+            )  # fmt: skip
+
         def s5cmd_sha256() -> None:
             s5cmd()
             out = subprocess.run(
@@ -883,6 +897,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             ("s5cmd (no verification)", s5cmd, dest),
             ("s5cmd, then sha256sum of each file", s5cmd_sha256, dest),
             ("boto3 download_file (defaults)", boto, dest),
+            (CLI_ROW, cli_pull, root / "pulled-cli"),
         ]
         methods = [m for m in methods if m[0].split()[0] not in args.skip]
         for label, gets, concurrency in args.pulls:
@@ -910,6 +925,9 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             "child_cpu_s_per_gb": {k: v for k, v in cpu.items() if not k.startswith("boto3")},
             "pulls": {},
         }
+        if CLI_ROW in rows:  # the wall clock the issue asks about: process start included
+            shape["cli_vs_s5cmd"] = rows["s5cmd (no verification)"] / rows[CLI_ROW]
+            print(f"{CLI_ROW}: {shape['cli_vs_s5cmd']:.2f}× s5cmd", flush=True)
         for label, runs in pulls.items():
             last, pull_s = runs[-1], rows[label]
             bound = 2 * last["concurrency"] * last["part_size"] + (200 << 20)
