@@ -33,9 +33,8 @@ import signal
 import struct
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 from pipeline._files import FILE_MODE
@@ -329,19 +328,26 @@ class WorkerProcesses:
         # anyway. So each step is done whatever is raised meanwhile, and the first such
         # exception is raised once every child is reaped (milliseconds: each was SIGKILLed).
         first: BaseException | None = None
-        for step in [*(partial(_kill, c) for c in self._children),
-                     *(partial(_reap, c) for c in self._children)]:  # fmt: skip
-            while True:
-                try:
-                    step()
-                    break
-                except Exception as e:  # not a signal's: kept, and on to the next step
-                    first = first or e
-                    break
-                except BaseException as e:  # a signal's (Ctrl-C, SIGTERM): this step again
-                    first = first or e
+        for step in (_kill, _reap):
+            for child in self._children:
+                first = _despite_signals(step, child, first)
         if first is not None:
             raise first
+
+
+def _despite_signals(
+    step: Callable[[_Child], None], child: _Child, first: BaseException | None
+) -> BaseException | None:
+    """``step(child)``, done again whenever a signal's exception (Ctrl-C, SIGTERM: not an
+    ``Exception``) interrupts it; another exception ends it. The first exception raised."""
+    while True:
+        try:
+            step(child)
+            return first
+        except Exception as e:
+            return first or e
+        except BaseException as e:
+            first = first or e
 
 
 def _kill(child: _Child) -> None:
