@@ -16,10 +16,11 @@ baselines measured in the same run on the same endpoint:
   one process and ``lean-pN`` N (``--processes``); the experiments:
   ``lean-lowat`` (each large socket read waits for 1 MiB: fewer GIL turns a range) and
   ``lean-procsN`` (the ranges landed by N forked worker processes, one GIL each),
-  ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); ``lean-stream``
-  (each range read 1 MiB at a time into one buffer per thread, each MiB hashed and written
-  while in cache; a part trusted once its digest matched, a bad one fetched again; since
-  2026-12-07 with the pull's own worker processes, where the others run in one);
+  ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); ``lean-buffered``
+  (over ``--tls``, each range read whole into its thread's 16 MiB buffer, then its parts
+  checked and written from there: the landing before it streamed a MiB at a time, the
+  baseline of that change; with the pull's own worker processes, where the experiments run
+  in one);
   ``lean-splice`` (each 206 body moved socket → pipe → file by ``splice``, never into user
   memory, then each part read back from the page cache into a 1 MiB buffer and hashed: fewer
   trips through memory per byte; a bad or short part fetched again apart); ``lean-ktls``
@@ -85,6 +86,15 @@ from pipeline.store.s3 import GETS_ENV
 
 BUCKET = "bench-bucket"
 CLI_ROW = "cli pull (inf2-pipeline pull, defaults)"
+SHA256SUM_ROW = "s5cmd, then sha256sum of each file"
+
+
+def _skip_key(row: str) -> str:
+    """The --skip name of a baseline row: its first word (curl, s5cmd, boto3, cli), and
+    sha256sum for s5cmd's row with sha256sum after it (20 s a run at 16 GiB)."""
+    return "sha256sum" if row == SHA256SUM_ROW else row.split()[0]
+
+
 SHA256_ONLY = "v1-sha256"  # the release as schema 2 wrote it
 NGINX_CONF = """
 daemon off; worker_processes auto; pid {root}/nginx.pid; error_log {root}/nginx.err;
@@ -275,85 +285,10 @@ if __import__("os").environ.get("INF2_BENCH_SPARSE"):  # experiment (--pulls lea
         return fd
     import pipeline.install.fetcher
     pipeline.install.fetcher.preallocated = sparse
-chunk = int(__import__("os").environ.get("INF2_BENCH_STREAM", "0"))
-if chunk:  # experiment (--pulls lean-stream): each range streamed through one small buffer
-    # per thread, every chunk hashed and written while it is still in cache (each byte then
-    # crosses memory about as often as in s5cmd, not into a 16 MiB buffer and out twice);
-    # a part is trusted only when its digest matched, and a bad one is fetched again apart
-    # (a killed pull's temporary file may then hold unchecked bytes: resuming checks every
-    # part on disk before it keeps one)
-    import os, threading
-    import blake3
-    from pipeline.store import s3_ranges
-    local, plain_body = threading.local(), s3_ranges.RangeReader._body
-    def body(self, conn, resp, start, buf, what, bucket, key):
-        sink, sock = getattr(local, "sink", None), conn.sock
-        if (sink is None or resp.status != 206 or resp.chunked or resp.length is None
-                or resp.length > len(buf) or sock is None):
-            return plain_body(self, conn, resp, start, buf, what, bucket, key)
-        s3_ranges.check_content_range(resp.getheader("Content-Range") or "", start, what)
-        small = getattr(local, "small", None)
-        if small is None:
-            local.small = small = memoryview(bytearray(chunk))
-        want, got = resp.length, 0
-        try:  # as the pull reads a body (s3_ranges._read_direct), a chunk at a time
-            head = buffered_head(resp, min(want, chunk))
-            small[: len(head)] = head
-            n = len(head)
-            resp.close()
-            while got < want:
-                piece = small[: min(chunk, want - got)]
-                while n < len(piece) and (k := sock.recv_into(piece[n:])):
-                    n += k
-                if n:
-                    sink(piece[:n], start + got)
-                got += n
-                if n < len(piece):
-                    break
-                n = 0
-        except (OSError, s3_ranges.http.client.HTTPException) as e:
-            raise s3_ranges._unreachable(what, e) from None
-        if got < want:
-            raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
-        return got, True
-    s3_ranges.RangeReader._body = body
-    plain_land = landing.land_range
-    def land_range(store, job, open_fd):
-        ref = job.ref
-        if ref.parts_blake3 is None or job.resume:
-            return plain_land(store, job, open_fd)
-        fd, parts = open_fd(), list(landing._parts_of(ref, job.start, job.length))
-        hashers, have = {}, {}
-        def sink(data, off):
-            landing._pwrite(job.tmp, fd, data, off)
-            while data:  # the piece by the parts it holds
-                i = off // ref.part_size
-                part_off, part_n = ref.part_range(i)
-                end = min(len(data), part_off + part_n - off)
-                hashers.setdefault(i, blake3.blake3(max_threads=1)).update(data[:end])
-                have[i] = have.get(i, 0) + end
-                data, off = data[end:], off + end
-        def fetch():
-            hashers.clear()  # a retried range starts again
-            have.clear()
-            return store.read_range_into(job.key, job.start, landing._buffer(job.length))
-        local.sink = sink
-        try:
-            got = landing.with_retries(fetch)
-        finally:
-            local.sink = None
-        extra = bad = 0
-        for i in parts:
-            off, n = ref.part_range(i)
-            if have.get(i) == n and hashers[i].hexdigest() == ref.parts_blake3[i]:
-                continue
-            part = landing._buffer(job.length)[:n]  # fetched again apart, checked, written
-            redo = landing.RangeJob(job.key, ref, job.tmp, off, n, False, False)
-            more, again = landing._write_parts(store, redo, fd, part, 0)
-            extra, bad = extra + more, bad + again
-        return landing.Landed(got + extra, False, bad, 0)
-    import pipeline.install.fetcher
-    landing.land_range = pipeline.install.fetcher.land_range = land_range
+if __import__("os").environ.get("INF2_BENCH_BUFFERED"):  # baseline (--pulls lean-buffered):
+    # over TLS each range read whole into its thread's buffer, then its parts checked and
+    # written from there, as the pull landed before it streamed (2026-12-07)
+    S3Store.streams_ranges = lambda self: False
 if __import__("os").environ.get("INF2_BENCH_KTLS"):  # experiment (--pulls lean-ktls): TLS
     # records decrypted by the kernel where it and OpenSSL can (OP_ENABLE_KTLS, Python 3.12):
     # a user-space SSL_read returns one record (16 KiB) a call, each a GIL turn; the kernel's
@@ -390,14 +325,9 @@ if __import__("os").environ.get("INF2_BENCH_READINTO"):  # baseline (--pulls lea
     # 206 body read through http.client's readinto (its BufferedReader and socket.SocketIO, two
     # Python calls a TLS record), as the pull read it before 2026-12-07
     from pipeline.store import s3_ranges
-    def read_via_http_client(resp, sock, view, length, what):
-        got = 0
-        try:
-            while got < len(view) and (n := resp.readinto(view[got:])):
-                got += n
-        except (OSError, s3_ranges.http.client.HTTPException) as e:
-            raise s3_ranges._unreachable(what, e) from None
-        if got < len(view):
+    def read_via_http_client(resp, sock, buf, want, length, sink, start, what):
+        got = s3_ranges._receive(resp.readinto, buf, want, sink, start, what)
+        if got < want:
             raise s3_ranges.StoreError(what, f"connection closed after {got} bytes", "retry")
         return got, resp.isclosed() and not resp.length
     s3_ranges._read_direct = read_via_http_client
@@ -603,6 +533,18 @@ if sys.argv[4] == "stages":  # wall seconds inside each call that releases the G
     landing.part_matches = timed("part digests", landing.part_matches)
     landing.os.pwrite = timed("pwrite", landing.os.pwrite)
     landing._read = timed("ranged GETs (reads included)", landing._read)
+    # a streamed range (over TLS): its GET with every piece's pwrite and hash inside it, and
+    # the hashers' updates apart (C types: wrapped, not patched)
+    S3Store.read_range_through = timed(
+        "streamed GETs (pwrite and hashing included)", S3Store.read_range_through
+    )
+    class TimedHasher:
+        def __init__(self, h):
+            self.h, self.update = h, timed("part digests", h.update)
+        def hexdigest(self):
+            return self.h.hexdigest()
+    real_hasher = landing.part_hasher
+    landing.part_hasher = lambda ref: TimedHasher(real_hasher(ref))
     # the pull's own worker processes (over --tls): each writes its timed calls to a file,
     # summed below, so a pull of 16 workers is broken down as one process's is
     import os, tempfile
@@ -681,9 +623,9 @@ def main() -> None:
     ap.add_argument(
         "--skip",
         default="",
-        help="comma-separated, of curl, boto3 (those baselines), cli (the pull through the CLI, "
-        "as the init container runs it), stages (the timed-calls and unverified diagnostics), "
-        "gil (the one-thread GIL figure): what a 16 GiB run can spare",
+        help="comma-separated, of curl, boto3, sha256sum (those baselines), cli (the pull "
+        "through the CLI, as the init container runs it), stages (the timed-calls and "
+        "unverified diagnostics), gil (the one-thread GIL figure): what a 16 GiB run can spare",
     )
     ap.add_argument(
         "--tls",
@@ -753,7 +695,7 @@ VARIANTS = {
     "lean-lowat": "SO_RCVLOWAT 1 MiB (experiment)",
     "lean-sparse": "sparse temporary files, not preallocated (experiment)",
     "lean-s5cmd": "s5cmd lands, parts checked as each file lands (experiment)",
-    "lean-stream": "each range streamed in 1 MiB chunks, hashed and written in cache (experiment)",
+    "lean-buffered": "each range read whole, then checked and written (the landing before)",
     "lean-splice": "each 206 body spliced socket → file, parts read back and hashed (experiment)",
     "lean-ktls": "TLS decrypted in the kernel where it can, reads counted (experiment)",
     "lean-readinto": "bodies read through http.client's readinto (the read path before 2026-12-07)",
@@ -761,7 +703,6 @@ VARIANTS = {
     # files land (and are checked) one batch after another, not all at the end (experiments)
 }
 LOWAT = 1 << 20
-STREAM_CHUNK = 1 << 20  # lean-stream's buffer: a core's L2 holds it
 SPLICE_PIPE = 1 << 20  # lean-splice's pipe per thread (pipe-max-size's default)
 
 
@@ -857,8 +798,8 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 experiment = {"INF2_BENCH_PULL_PROCESSES": gets.removeprefix("lean-p")}
             if gets.endswith("-sparse"):
                 experiment = {"INF2_BENCH_SPARSE": "1"}
-            if gets.endswith("-stream"):
-                experiment = {"INF2_BENCH_STREAM": str(STREAM_CHUNK)}
+            if gets.endswith("-buffered"):
+                experiment = {"INF2_BENCH_BUFFERED": "1"}
             if gets.endswith("-readinto"):
                 experiment = {"INF2_BENCH_READINTO": "1"}
             if gets.endswith("-ktls"):
@@ -872,7 +813,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             if (
                 experiment
                 and "INF2_BENCH_PULL_PROCESSES" not in experiment
-                and not gets.endswith(("-readinto", "-stream"))
+                and not gets.endswith(("-readinto", "-buffered"))
             ):  # measured with the pull's own processes (over TLS, its workers)
                 # an experiment changes one process's landing: measured in one, as before
                 experiment["INF2_BENCH_PULL_PROCESSES"] = "1"
@@ -895,11 +836,11 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         methods = [
             ("curl → /dev/null (raw loopback)", curl, None),
             ("s5cmd (no verification)", s5cmd, dest),
-            ("s5cmd, then sha256sum of each file", s5cmd_sha256, dest),
+            (SHA256SUM_ROW, s5cmd_sha256, dest),
             ("boto3 download_file (defaults)", boto, dest),
             (CLI_ROW, cli_pull, root / "pulled-cli"),
         ]
-        methods = [m for m in methods if m[0].split()[0] not in args.skip]
+        methods = [m for m in methods if _skip_key(m[0]) not in args.skip]
         for label, gets, concurrency in args.pulls:
             methods.append((label, partial(pull, label, gets, concurrency), root / "pulled"))
         for name, fn, cleanup in methods:
@@ -938,7 +879,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 "peak_rss": max(r["peak_rss"] for r in runs),
                 "memory_bound": bound,
                 "vs_s5cmd": rows["s5cmd (no verification)"] / pull_s,
-                "vs_s5cmd_sha256": rows["s5cmd, then sha256sum of each file"] / pull_s,
+                "vs_s5cmd_sha256": rows.get(SHA256SUM_ROW, 0.0) / pull_s,
                 # the last run's own split: imports, the store's client, pull_release, and
                 # what an experiment timed inside it
                 "last_run": {

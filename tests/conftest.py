@@ -9,6 +9,7 @@ import pytest
 
 # A neuron release made with the stand-in exporter, and the stand-in optimum.neuron.
 from tests.neuron_fakes import neuron_release, standin  # noqa: F401
+from tests.tls_cert import self_signed_cert
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -188,3 +189,9 @@ def busy_cores():
     for p in procs:
         p.kill()
         p.wait()
+
+
+@pytest.fixture(scope="session")
+def self_signed(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 signed by itself, and its key (PEM files)."""
+    return self_signed_cert(tmp_path_factory.mktemp("tls"))

@@ -154,21 +154,31 @@ def test_s3_multipart_parts_carry_the_manifest_part_checksums(s3_store_url, tmp_
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == path.read_bytes()
 
 
-def _through_proxy(monkeypatch, s3_env: str, store_url: str, corrupt, times=1):
-    proxy = FaultProxy(s3_env, corrupt, times)
+def _through_proxy(monkeypatch, s3_env: str, store_url: str, corrupt, times=1, tls=None):
+    """The fault proxy in front of moto, and a store through it; ``tls``: (cert, key) to
+    serve https, which the client trusts (AWS_CA_BUNDLE): the landing then streams."""
+    proxy = FaultProxy(s3_env, corrupt, times, tls=tls)
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    return proxy, open_store(store_url)
+    if tls is not None:
+        monkeypatch.setenv("AWS_CA_BUNDLE", tls[0])
+    store = open_store(store_url)
+    assert store.streams_ranges() is (tls is not None)
+    return proxy, store
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("https", [False, True], ids=["http", "https-streamed"])
 def test_a_range_corrupted_once_is_refetched_alone_and_reported(
-    s3_store_url, s3_env, tmp_path, monkeypatch
+    s3_store_url, s3_env, tmp_path, monkeypatch, self_signed, https
 ):
     data = _big(20 * PART + 7)
     m = make_release(open_store(s3_store_url), tmp_path, buckets={"b1_s32": {"w.bin": data}},
                      part_size=PART)  # fmt: skip
     key = blob_key(m.buckets["b1_s32"].files[0].sha256)
-    proxy, _ = _through_proxy(monkeypatch, s3_env, s3_store_url, ranged_get_of(key, 8 * PART))
+    tls = self_signed if https else None
+    proxy, _ = _through_proxy(
+        monkeypatch, s3_env, s3_store_url, ranged_get_of(key, 8 * PART), tls=tls
+    )
     dest = tmp_path / "d"
     with proxy:
         r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(dest), "--store",
@@ -182,7 +192,7 @@ def test_a_range_corrupted_once_is_refetched_alone_and_reported(
     assert out["throughput"] > 0 and out["seconds"] > 0
     assert (dest / "m/current/buckets/b1_s32/w.bin").read_bytes() == data
     # The plain summary says it too.
-    with FaultProxy(s3_env, ranged_get_of(key, 0)) as proxy2:
+    with FaultProxy(s3_env, ranged_get_of(key, 0), tls=tls) as proxy2:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy2.url)
         r = runner.invoke(app, ["pull", "m", "--version", "v1", "--dest", str(tmp_path / "e"),
                                 "--store", s3_store_url, "--part-size", "64KiB"])  # fmt: skip
@@ -209,8 +219,9 @@ def test_schema_1_file_corrupted_once_is_refetched_whole(
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("https", [False, True], ids=["http", "https-streamed"])
 def test_persistent_corruption_fails_with_exit_1_after_bounded_refetches(
-    s3_store_url, s3_env, tmp_path, monkeypatch
+    s3_store_url, s3_env, tmp_path, monkeypatch, self_signed, https
 ):
     make_release(open_store(s3_store_url), tmp_path, version="v1", part_size=PART)
     m2 = make_release(open_store(s3_store_url), tmp_path, version="v2",
@@ -220,8 +231,9 @@ def test_persistent_corruption_fails_with_exit_1_after_bounded_refetches(
     before = {p: p.read_bytes() for p in (dest / "m/v1").rglob("*") if p.is_file()}
     key = blob_key(m2.buckets["b1_s32"].files[0].sha256)
     proxy, _ = _through_proxy(
-        monkeypatch, s3_env, s3_store_url, ranged_get_of(key, 3 * PART), times=None
-    )
+        monkeypatch, s3_env, s3_store_url, ranged_get_of(key, 3 * PART), times=None,
+        tls=self_signed if https else None,
+    )  # fmt: skip
     with proxy:
         r = runner.invoke(app, ["pull", "m", "--version", "v2", "--dest", str(dest), "--store",
                                 s3_store_url, "--part-size", "64KiB"])  # fmt: skip
@@ -231,7 +243,8 @@ def test_persistent_corruption_fails_with_exit_1_after_bounded_refetches(
     assert len(proxy.hits) == 1 + PART_RETRIES
     assert os.readlink(dest / "m/current") == "v1" and not (dest / "m/v2").exists()
     assert {p: p.read_bytes() for p in (dest / "m/v1").rglob("*") if p.is_file()} == before
-    # what stays for a resume holds only verified parts, in the staging directory
+    # what stays for a resume is in the staging directory (streamed, it may hold unchecked
+    # bytes: a resume checks every part before it keeps one)
     assert all(".staging-v2" in str(p) for p in (dest / "m").rglob("*.incomplete"))
 
 

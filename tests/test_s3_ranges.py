@@ -6,8 +6,6 @@ where it must step aside for botocore (a proxy, or when asked)."""
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import ssl
 import threading
@@ -195,47 +193,147 @@ def test_land_range_reuses_the_thread_buffer_and_refetches_a_bad_part_into_it(tm
     assert len({obj for obj, _, _ in seen}) == 1
 
 
+# --- read through a small buffer (the streamed landing) ----------------------------------
+
+
+def _through(store, start: int, length: int, chunk: int = 1000) -> tuple[int, list]:
+    """read_range_through with a ``chunk``-byte buffer: the count, and (offset, bytes) of
+    each piece as the sink got it (copied: the buffer is reused)."""
+    pieces: list[tuple[int, bytes]] = []
+    got = store.read_range_through(
+        "r.bin", start, length, memoryview(bytearray(chunk)),
+        lambda piece, off: pieces.append((off, bytes(piece))),
+    )  # fmt: skip
+    return got, pieces
+
+
+def test_a_range_read_through_a_small_buffer_comes_in_order_piece_by_piece(store_url):
+    store = open_store(store_url)
+    store.put_bytes("r.bin", DATA)
+    for start, n in ((0, 10), (5000, 2500), (PART - 7, PART), (len(DATA) - 1500, 4000)):
+        got, pieces = _through(store, start, n)
+        assert got == min(n, len(DATA) - start)
+        assert [off for off, _ in pieces] == list(range(start, start + got, 1000))
+        assert all(len(b) == 1000 for _, b in pieces[:-1])
+        assert b"".join(b for _, b in pieces) == DATA[start : start + got]
+    assert _through(store, len(DATA) + 10, 5) == (0, [])  # past the end
+    assert _through(store, 3, 0) == (0, [])
+
+
+@pytest.mark.s3
+def test_a_range_read_through_is_one_get_on_one_kept_alive_connection(seeded, s3_env):
+    with FaultProxy(s3_env, _ranged, times=None, fault="none") as proxy:
+        store = _s3(proxy.url, bucket=seeded)
+        for start in (0, PART, 2 * PART):
+            got, pieces = _through(store, start, PART, chunk=4096)
+            assert got == PART and b"".join(b for _, b in pieces) == DATA[start : start + PART]
+        assert len(proxy.hits) == 3 and store.ranges.connections_opened == proxy.connections == 1
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_sink_that_fails_mid_body_drops_its_connection(seeded, s3_env, self_signed, tls,
+                                                          monkeypatch):  # fmt: skip
+    """The sink's own error (a full disk, say) comes out as itself, and the connection with
+    the rest of that body on it is not reused: the next read gets its own bytes."""
+    if tls:
+        monkeypatch.setenv("AWS_CA_BUNDLE", self_signed[0])
+    with FaultProxy(s3_env, lambda *_: False, tls=self_signed if tls else None) as proxy:
+        store = _s3(proxy.url, bucket=seeded)
+
+        def full(piece, off):
+            if off > PART:
+                raise OSError(28, "No space left on device")
+
+        with pytest.raises(OSError, match="No space left"):
+            store.read_range_through("r.bin", PART, 2 * PART, memoryview(bytearray(4096)), full)
+        buf = bytearray(PART)
+        assert store.read_range_into("r.bin", 0, memoryview(buf)) == PART
+        assert buf == DATA[:PART]
+        assert store.ranges.connections_opened == proxy.connections == 2
+        assert store.streams_ranges() is tls  # a TLS record a read: the landing streams
+
+
+@pytest.mark.s3
+def test_a_body_cut_short_while_read_through_is_a_retried_store_error(seeded, s3_env):
+    with FaultProxy(s3_env, _ranged, times=1, fault="truncate") as proxy:
+        store = _s3(proxy.url, bucket=seeded)
+        with pytest.raises(StoreError, match="connection closed after"):
+            _through(store, 0, 2 * PART)
+        got, pieces = with_retries(lambda: _through(store, 0, 2 * PART), base=0)
+        assert got == 2 * PART and b"".join(b for _, b in pieces) == DATA[: 2 * PART]
+
+
+@pytest.mark.s3
+def test_a_pull_over_tls_streams_each_range_and_refetches_a_bad_part_alone(
+    s3_store_url, s3_env, self_signed, tmp_path, monkeypatch
+):
+    """Over https the landing streams (a MiB at a time, each piece written and hashed as it
+    comes): every byte installed, one corrupted part fetched again alone, the rest once."""
+    monkeypatch.setenv("AWS_CA_BUNDLE", self_signed[0])
+    store = open_store(s3_store_url)
+    data = os.urandom(9 * PART + 5)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    with FaultProxy(s3_env, lambda _m, path, h: key in path and "Range" in h,
+                    tls=self_signed) as proxy:  # fmt: skip
+        s = open_store(s3_store_url, endpoint_url=proxy.url)
+        assert s.streams_ranges()
+        streamed, whole = [], []
+        into, through = s.read_range_into, s.read_range_through
+        s.read_range_into = lambda k, start, buf: (
+            whole.append((k, start, len(buf))) or into(k, start, buf)
+        )
+        s.read_range_through = lambda k, *a: streamed.append(k) or through(k, *a)
+        r = pull_release(s, "m", tmp_path / "d", version="v1", part_size=2 * PART,
+                         concurrency=2, processes=1)  # fmt: skip
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+    assert streamed.count(key) == 5 and r.parts == 5 + 1
+    # the corrupted part (the middle of the first range's body), and only it, fetched again
+    [(_, _, first)] = proxy.hits
+    a, b = (int(x) for x in first.removeprefix("bytes=").split("-"))
+    bad = (a + (min(b, len(data) - 1) - a + 1) // 2) // PART
+    assert [(k, start, n) for k, start, n in whole if k == key] == [(key, bad * PART, PART)]
+    assert r.refetched_parts == 1
+
+
+def test_a_streamed_range_lands_piece_by_piece_and_a_bad_part_is_refetched_alone(
+    tmp_path, monkeypatch
+):
+    """A store whose reads are TLS records streams (here a local store made to): the range
+    comes through one small buffer in pieces that straddle parts, each written as it comes;
+    a piece that arrives corrupt fails only its part, which is fetched again alone."""
+    import pipeline.install.landing as landing
+    from pipeline.store.local import LocalStore
+
+    monkeypatch.setattr(landing, "STREAM_CHUNK", 10_000)  # not a divisor of a part
+    monkeypatch.setattr(LocalStore, "streams_ranges", lambda self: True)
+    store = open_store(str(tmp_path / "store"))
+    data = os.urandom(8 * PART + 3)
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    reads: list[tuple[int, int, int]] = []
+    real = store.read_range_into
+
+    def flaky(k, start, buf):
+        n = real(k, start, buf)
+        if k == key:
+            reads.append((id(buf.obj), start, len(buf)))
+            if start <= 5 * PART + 7 < start + n and len(buf) < PART:  # once, while streamed
+                buf[5 * PART + 7 - start] ^= 0xFF
+        return n
+
+    store.read_range_into = flaky
+    r = pull_release(store, "m", tmp_path / "e", version="v1", part_size=4 * PART, concurrency=1)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+    assert r.refetched_parts == 1 and r.parts == 3 + 1
+    streamed = [(obj, s, n) for obj, s, n in reads if n <= 10_000]
+    assert len({obj for obj, _, _ in streamed}) == 1  # one small buffer for every piece
+    assert sum(n for _, _, n in streamed) == len(data)
+    assert [(s, n) for _, s, n in reads if n > 10_000] == [(5 * PART, PART)]  # part 5, again
+
+
 # --- TLS -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def self_signed(tmp_path_factory) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 signed by itself, and its key (PEM files)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(key.public_key()), False)
-        .sign(key, hashes.SHA256())
-    )
-    d = tmp_path_factory.mktemp("tls")
-    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / "key.pem").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return str(d / "cert.pem"), str(d / "key.pem")
 
 
 @pytest.mark.s3

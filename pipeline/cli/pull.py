@@ -54,7 +54,8 @@ def pull(
         typer.Option(
             "--part-size",
             help="Bytes per ranged GET, e.g. 16MiB (rounded to whole manifest parts). "
-            "Memory in flight is about concurrency x part size.",
+            "Memory in flight is about concurrency x part size (over https, where each "
+            "range is streamed, concurrency x 1 MiB).",
         ),
     ] = "16MiB",
     verify: Annotated[

@@ -184,7 +184,7 @@ class Fetcher:
                     os.close(f.fd)
                     if f.ref.parts is None:  # unverified bytes: discard them
                         f.tmp.unlink(missing_ok=True)
-                    # else only verified parts were written: the next pull resumes from them
+                    # else the next pull resumes, keeping only the parts that verify
         if self._error is not None and not isinstance(self._error, _Stopped):
             raise self._error
         assert not self._open_files, "the fetch stopped with files still open"

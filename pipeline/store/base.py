@@ -7,13 +7,17 @@ Keys are ``/``-separated paths relative to the store root (``blobs/sha256/<hex>`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pipeline.store.refs import FileRef
+
+
+# Takes each piece of a range as it comes, and its offset in the object (``read_range_through``).
+RangeSink = Callable[[memoryview, int], None]
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,32 @@ class Store(ABC):
         data = self.get_range(key, start, len(buf))
         buf[: len(data)] = data
         return len(data)
+
+    def read_range_through(
+        self, key: str, start: int, length: int, chunk: memoryview, sink: RangeSink
+    ) -> int:
+        """Read ``length`` bytes from offset ``start`` through ``chunk``, a small buffer:
+        each time it is filled (the last time, with what is left), ``sink(piece, offset)``
+        gets it before the next read. Returns the bytes that came, fewer where the object
+        ends sooner. Here one ``read_range_into`` a chunk; a backend whose reads are
+        requests reads the range in one (``streams_ranges``)."""
+        got = 0
+        while got < length:
+            piece = chunk[: min(len(chunk), length - got)]
+            n = self.read_range_into(key, start + got, piece)
+            if n:
+                sink(piece[:n], start + got)
+            got += n
+            if n < len(piece):
+                break
+        return got
+
+    def streams_ranges(self) -> bool:
+        """Whether a pull should land a range through a small buffer as it comes
+        (``read_range_through``), not read it whole first: where every read brings one
+        TLS record anyway, so a small buffer costs no extra reads, and a MiB hashed and
+        written while in the CPU's cache crosses memory fewer times."""
+        return False
 
     def pull_processes(self, cpus: int) -> int:
         """How many worker processes a pull on ``cpus`` CPUs should land ranges in: one,

@@ -84,10 +84,23 @@ class FileRef(BaseModel):
 def part_matches(ref: FileRef, index: int, data: Any) -> bool:
     """Whether ``data`` (bytes-like) is part ``index`` of ``ref``, by ``ref.part_hash``.
     Both hashes release the GIL on large inputs, so threads hash in parallel."""
+    hasher = part_hasher(ref)
+    hasher.update(data)
+    return hasher.hexdigest() == part_digest(ref, index)
+
+
+def part_hasher(ref: FileRef) -> Any:
+    """A new hasher of ``ref.part_hash``, fed a part piece by piece (``update``)."""
     if ref.parts_blake3 is not None:
-        return blake3.blake3(data).hexdigest() == ref.parts_blake3[index]
-    assert ref.parts is not None
-    return hashlib.sha256(data).hexdigest() == ref.parts[index]
+        return blake3.blake3()  # one thread: the pull's threads are the parallelism
+    return hashlib.sha256()
+
+
+def part_digest(ref: FileRef, index: int) -> str:
+    """The hex digest part ``index`` must have, by ``ref.part_hash``."""
+    digests = ref.parts_blake3 if ref.parts_blake3 is not None else ref.parts
+    assert digests is not None
+    return digests[index]
 
 
 def _digests(

@@ -7,7 +7,9 @@ credential chain, endpoint, region and addressing style). The request goes out w
 standard library's ``http.client`` on a keep-alive connection owned by the calling thread,
 with ``Range`` as a plain header (a presigned URL signs only ``host``), and a 206 body is
 read by the socket's own ``recv_into`` into the caller's buffer (``_read_direct``): socket
-reads that release the GIL and make no intermediate objects.
+reads that release the GIL and make no intermediate objects. ``read_through`` reads a range
+through a small buffer instead, handing each piece on as it fills (the landing then hashes
+and writes it while it is in the CPU's cache).
 
 Settings come from the client's own HTTP session (TLS verification and CA bundle, client
 certificate, proxies) and config (timeouts). Where they cannot be read, or where botocore
@@ -24,6 +26,7 @@ import os
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 from xml.etree import ElementTree
@@ -32,6 +35,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from pipeline.errors import PipelineError, StoreError
 from pipeline.store._redact import scrub
+from pipeline.store.base import RangeSink
 from pipeline.store.s3_errors import translate_error
 
 # A presigned URL is reused for this long per key (a blob's ranges share one signature),
@@ -107,7 +111,33 @@ class RangeReader:
         """Read ``len(buf)`` bytes of ``s3://bucket/key`` from ``start`` into ``buf``; the
         count read, fewer where the object ends sooner (0 at or past its end). Errors are
         the ones ``translate_error`` gives for botocore's; a dropped connection reconnects."""
-        if not len(buf):
+        return self._get(bucket, key, start, len(buf), buf, None, what)
+
+    def read_through(
+        self,
+        bucket: str,
+        key: str,
+        start: int,
+        length: int,
+        chunk: memoryview,
+        sink: RangeSink,
+        what: str,
+    ) -> int:
+        """One ranged GET of ``length`` bytes read through ``chunk``, each piece handed to
+        ``sink`` as it fills (``Store.read_range_through``); otherwise as ``read_into``."""
+        return self._get(bucket, key, start, length, chunk, sink, what)
+
+    def _get(
+        self,
+        bucket: str,
+        key: str,
+        start: int,
+        length: int,
+        buf: memoryview,
+        sink: RangeSink | None,
+        what: str,
+    ) -> int:
+        if not length:
             return 0
         try:
             url = self._url(bucket, key)
@@ -115,7 +145,7 @@ class RangeReader:
             raise translate_error(e, what) from None
         parts = urlsplit(url)
         target = f"{parts.path or '/'}?{parts.query}"
-        headers = {"Range": f"bytes={start}-{start + len(buf) - 1}"}
+        headers = {"Range": f"bytes={start}-{start + length - 1}"}
         conn_key = (parts.scheme, parts.netloc)
         for attempt in range(2):
             conn, reused = self._connection(conn_key, what)
@@ -132,9 +162,9 @@ class RangeReader:
                 raise _unreachable(what, e) from None
             complete = False  # whether the reply was read to its end (an error's too)
             try:
-                got, complete = self._body(conn, resp, start, buf, what, bucket, key)
+                got, complete = self._body(conn, resp, start, length, buf, sink, what, bucket, key)
                 return got
-            except BaseException:
+            except BaseException:  # a sink's own error too: the rest of the body is unread
                 complete = resp.isclosed() and not resp.length
                 raise
             finally:  # reused only when the reply was read whole and the server keeps it open
@@ -147,13 +177,16 @@ class RangeReader:
         conn: http.client.HTTPConnection,
         resp: http.client.HTTPResponse,
         start: int,
+        length: int,
         buf: memoryview,
+        sink: RangeSink | None,
         what: str,
         bucket: str,
         key: str,
     ) -> tuple[int, bool]:
-        """The reply's body read into ``buf``: the count read, and whether the reply was read
-        to its end (its connection can serve the next request)."""
+        """The reply's body, ``length`` bytes asked for, read into ``buf`` (or through it to
+        ``sink``): the count read, and whether the reply was read to its end (its connection
+        can serve the next request)."""
         status = resp.status
         if status == 416:  # InvalidRange: at or past the end, nothing there
             resp.read(MAX_ERROR_BODY)
@@ -168,25 +201,21 @@ class RangeReader:
             raise error
         if status == 206:
             check_content_range(resp.getheader("Content-Range") or "", start, what)
-            length, sock = resp.length, conn.sock
-            if length is not None and not resp.chunked and sock is not None:
-                return _read_direct(resp, sock, buf[: min(length, len(buf))], length, what)
+            body, sock = resp.length, conn.sock
+            if body is not None and not resp.chunked and sock is not None:
+                want = min(body, length)
+                return _read_direct(resp, sock, buf, want, body, sink, start, what)
         skip = start if status == 200 else 0  # 200: the whole object (a server without ranges)
-        got = 0
         try:
             while skip:
                 n = resp.readinto(buf[: min(skip, len(buf))])
                 if not n:
                     return 0, False
                 skip -= n
-            while got < len(buf):
-                n = resp.readinto(buf[got:])
-                if not n:
-                    break
-                got += n
         except (OSError, http.client.HTTPException) as e:
             raise _unreachable(what, e) from None
-        if resp.length and got < len(buf):  # the connection ended before Content-Length did
+        got = _receive(resp.readinto, buf, length, sink, start, what)
+        if resp.length and got < length:  # the connection ended before Content-Length did
             raise StoreError(what, f"connection closed after {got} bytes of a range", "retry")
         # the rest of a longer body (a 200) is dropped with the connection
         return got, resp.isclosed() and not resp.length
@@ -248,31 +277,72 @@ class RangeReader:
 
 
 def _read_direct(
-    resp: http.client.HTTPResponse, sock: Any, view: memoryview, length: int, what: str
+    resp: http.client.HTTPResponse,
+    sock: Any,
+    buf: memoryview,
+    want: int,
+    length: int,
+    sink: RangeSink | None,
+    start: int,
+    what: str,
 ) -> tuple[int, bool]:
-    """A 206 body of ``length`` bytes read into ``view`` by the socket's own ``recv_into``,
-    past http.client's ``BufferedReader`` and ``SocketIO``: over TLS each read is one 16 KiB
-    record, and those two layers were two Python calls a record with the GIL held (~1.7 µs
-    a record, 0.08-0.36 CPU-s/GB on the 2-core VM; bench/RESULTS.md, 2026-12-07). First the
-    body's bytes that the header reads left buffered (``read1`` takes only those, or makes
-    one read), then the response is closed (its buffered file, not the socket, so the
-    keep-alive connection serves the next request) and the rest comes from the socket,
-    straight into ``view``."""
-    got = 0
+    """``want`` bytes of a 206 body of ``length`` read by the socket's own ``recv_into``
+    into ``buf`` (or through it to ``sink``), past http.client's ``BufferedReader`` and
+    ``SocketIO``: over TLS each read is one 16 KiB record, and those two layers were two
+    Python calls a record with the GIL held (~1.7 µs a record, 0.08-0.36 CPU-s/GB on the
+    2-core VM; bench/RESULTS.md, 2026-12-07). First the body's bytes that the header reads
+    left buffered (``read1`` takes only those, or makes one read), then the response is
+    closed (its buffered file, not the socket, so the keep-alive connection serves the
+    next request) and the rest comes from the socket, straight into ``buf``."""
     try:
         # peek: what is buffered, or one read of the buffer's size (read1 alone, with nothing
         # buffered, would allocate a bytes object of the whole range for one record)
-        head = resp.fp.read1(min(len(resp.fp.peek(1)), len(view))) if len(view) else b""
-        view[: len(head)] = head
-        got = len(head)
-        resp.close()
-        while got < len(view) and (n := sock.recv_into(view[got:])):
-            got += n
+        head = resp.fp.read1(min(len(resp.fp.peek(1)), want)) if want else b""
+        resp.close()  # what it still buffered is lost: all of it had to be taken
     except (OSError, http.client.HTTPException) as e:
         raise _unreachable(what, e) from None
-    if got < len(view):  # the connection ended before Content-Length did
+    if sink is None:  # buf holds the body
+        buf[: len(head)] = head
+        got = _receive(sock.recv_into, buf, want, None, start, what, len(head))
+    else:  # the head may be longer than buf: handed on as it is
+        if head:
+            sink(memoryview(head), start)
+        rest = want - len(head)
+        got = len(head) + _receive(sock.recv_into, buf, rest, sink, start + len(head), what)
+    if got < want:  # the connection ended before Content-Length did
         raise StoreError(what, f"connection closed after {got} bytes of a range", "retry")
     return got, got == length
+
+
+def _receive(
+    read: Callable[[memoryview], int],
+    buf: memoryview,
+    want: int,
+    sink: RangeSink | None,
+    start: int,
+    what: str,
+    have: int = 0,
+) -> int:
+    """``want`` bytes of a body by ``read`` (a ``readinto``): into ``buf``, which holds
+    them; or, with ``sink``, through ``buf`` a piece at a time, each handed on with its
+    offset in the object (from ``start``) before the next read. ``have``: bytes already at
+    the start of ``buf``. The count that came, fewer where the body ended sooner."""
+    got = 0
+    while True:
+        room = want - got if sink is None else min(len(buf), want - got)
+        try:
+            while have < room and (n := read(buf[have:room])):
+                have += n
+        except (OSError, http.client.HTTPException) as e:
+            raise _unreachable(what, e) from None
+        if sink is None:
+            return have
+        if have:  # the sink's own errors are its own, not the network's
+            sink(buf[:have], start + got)
+        got += have
+        if have < room or got == want:
+            return got
+        have = 0
 
 
 def check_content_range(content_range: str, start: int, what: str) -> None:
