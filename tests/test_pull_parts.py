@@ -433,9 +433,14 @@ def test_a_full_disk_is_one_line_and_exit_1(store, tmp_path, monkeypatch):
     assert not (tmp_path / "d/m/v1").exists()
 
 
-def test_a_half_fetched_file_resumes_from_its_verified_parts(store, tmp_path):
+@pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
+def test_a_half_fetched_file_resumes_from_its_verified_parts(
+    store, tmp_path, monkeypatch, streamed
+):
     """What a SIGKILL leaves: a full-size temporary file with some parts written. The parts
-    that verify are kept; the others (zeros, or torn writes) are fetched."""
+    that verify are kept; the others (zeros, or torn writes) are fetched. A store whose
+    ranges stream (over TLS) resumes the same way: its parts on disk are checked first."""
+    monkeypatch.setattr(type(store), "streams_ranges", lambda self: streamed)
     data = _big(8 * PART)
     m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
     tmp = tmp_path / "d/m/.staging-v1/buckets/b1_s32/.w.bin.incomplete"

@@ -167,13 +167,18 @@ def test_pull_lands_every_range_through_resets_and_throttling(s3_store_url, s3_e
         assert len({id(b) for b in buffers}) <= 2
 
 
+def _local_release(tmp_path: Path, data: bytes):
+    """A local store holding release m v1 of one file, ``data``; and that file's blob key."""
+    store = open_store(str(tmp_path / "store"))
+    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    return store, blob_key(m.buckets["b1_s32"].files[0].sha256)
+
+
 def test_land_range_reuses_the_thread_buffer_and_refetches_a_bad_part_into_it(tmp_path):
     """One thread, many ranges: one buffer; a part that arrives corrupt is fetched again,
     alone, into its place in that buffer."""
-    store = open_store(str(tmp_path / "store"))
     data = os.urandom(8 * PART)
-    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
-    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    store, key = _local_release(tmp_path, data)
     seen: list[tuple[int, int, int]] = []
     real = store.read_range_into
 
@@ -308,10 +313,8 @@ def test_a_streamed_range_lands_piece_by_piece_and_a_bad_part_is_refetched_alone
 
     monkeypatch.setattr(landing, "STREAM_CHUNK", 10_000)  # not a divisor of a part
     monkeypatch.setattr(LocalStore, "streams_ranges", lambda self: True)
-    store = open_store(str(tmp_path / "store"))
     data = os.urandom(8 * PART + 3)
-    m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
-    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    store, key = _local_release(tmp_path, data)
     reads: list[tuple[int, int, int]] = []
     real = store.read_range_into
 
@@ -331,6 +334,28 @@ def test_a_streamed_range_lands_piece_by_piece_and_a_bad_part_is_refetched_alone
     assert len({obj for obj, _, _ in streamed}) == 1  # one small buffer for every piece
     assert sum(n for _, _, n in streamed) == len(data)
     assert [(s, n) for _, s, n in reads if n > 10_000] == [(5 * PART, PART)]  # part 5, again
+
+
+@pytest.mark.s3
+def test_a_streamed_range_cut_short_is_fetched_again_whole_and_checked_afresh(
+    s3_store_url, s3_env, self_signed, tmp_path, monkeypatch
+):
+    """A streamed range whose body is cut midway is retried from its start, its parts'
+    hashes begun again: no part counts as bad, and every byte installed is right."""
+    monkeypatch.setenv("AWS_CA_BUNDLE", self_signed[0])
+    data = os.urandom(9 * PART + 5)
+    m = make_release(open_store(s3_store_url), tmp_path, buckets={"b1_s32": {"w.bin": data}},
+                     part_size=PART)  # fmt: skip
+    key = blob_key(m.buckets["b1_s32"].files[0].sha256)
+    cut = lambda _m, path, h: key in path and h.get("Range", "").startswith("bytes=0-")  # noqa: E731
+    with FaultProxy(s3_env, cut, times=1, fault="truncate", tls=self_signed) as proxy:
+        s = open_store(s3_store_url, endpoint_url=proxy.url)
+        assert s.streams_ranges()
+        r = pull_release(s, "m", tmp_path / "d", version="v1", part_size=4 * PART,
+                         concurrency=2, processes=1)  # fmt: skip
+    assert len(proxy.hits) == 1  # the first range's GET was cut in half
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
+    assert r.refetched_parts == 0 and r.parts == 3 + 1
 
 
 # --- TLS -------------------------------------------------------------------------------

@@ -54,8 +54,8 @@ def pull(
         typer.Option(
             "--part-size",
             help="Bytes per ranged GET, e.g. 16MiB (rounded to whole manifest parts). "
-            "Memory in flight is about concurrency x part size (over https, where each "
-            "range is streamed, concurrency x 1 MiB).",
+            "Memory in flight is about concurrency x part size (over https, where a range "
+            "with part digests is streamed, about concurrency x 1 MiB).",
         ),
     ] = "16MiB",
     verify: Annotated[

@@ -265,8 +265,9 @@ class Fetcher:
 
     def _opened(self, f: _File, start: int, length: int) -> int:
         """The file's temporary, opened by the first range to need it. Asked for once that
-        range's bytes are in: preallocating a large file can take a while (tmpfs zeroes its
-        pages), and its other ranges should be on the wire meanwhile, not waiting here. Of a
+        range's bytes are in (a streamed range's first MiB): preallocating a large file can
+        take a while (tmpfs zeroes its pages), and its other ranges should be on the wire
+        meanwhile, not waiting here (streamed, they wait after their first MiB). Of a
         shared file (made at full size by the caller) only this range's blocks are reserved:
         by the process that writes them, in parallel with the others."""
         with local_write(f.tmp):

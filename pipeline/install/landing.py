@@ -38,10 +38,10 @@ PART_RETRIES = 3  # re-fetches of one part whose bytes do not match its digest
 FILE_RETRIES = 2  # whole-file re-fetches of a file checked only whole
 
 
-# A streamed range's buffer: within a core's L2 (2 MiB on the hosts measured), so the hash and
-# the pwrite read it from cache; 64 TLS records, so the Python around each MiB is ~1/64 of a
-# read's. 9 % less CPU per GB on 16 cores and 4 % on 2 than reading each 16 MiB range whole
-# first (bench/RESULTS.md, thirty-first and thirty-second rounds).
+# A streamed range's buffer: about a core's L2 (0.5-2 MiB on current x86 server cores), so the
+# hash and the pwrite read it mostly from cache; 64 TLS records, so the Python around each MiB
+# is ~1/64 of a read's. 9 % less CPU per GB on 16 cores and 0-8.5 % on 2 than reading each
+# 16 MiB range whole first (bench/RESULTS.md, thirty-first and thirty-second rounds).
 STREAM_CHUNK = 1 << 20
 
 

@@ -19,8 +19,8 @@ or of one range goes whole to one process, dealt by bytes before the fork, which
 installs it as one process's pull does. Each child is
 forked before the progress bar's thread starts, sends its progress and its end (counts, or
 the exception, pickled) on a pipe of its own, and dies with the parent
-(``PR_SET_PDEATHSIG``). The first failure ends the others: what they landed is verified
-parts only, which the next pull resumes from (as after a SIGKILL)."""
+(``PR_SET_PDEATHSIG``). The first failure ends the others: the next pull resumes from what
+they landed, keeping only the parts that verify (as after a SIGKILL)."""
 
 from __future__ import annotations
 

@@ -80,6 +80,8 @@ class Store(ABC):
         gets it before the next read. Returns the bytes that came, fewer where the object
         ends sooner. Here one ``read_range_into`` a chunk; a backend whose reads are
         requests reads the range in one (``streams_ranges``)."""
+        if not len(chunk):
+            raise ValueError("read_range_through needs a chunk of at least one byte")
         got = 0
         while got < length:
             piece = chunk[: min(len(chunk), length - got)]

@@ -306,7 +306,7 @@ class S3Store(Store):
                 return ranges.read_through(
                     self.bucket, self._key(key), start, length, chunk, sink, what
                 )
-            except BotocoreOnly:
+            except BotocoreOnly:  # this range a GET a chunk; the next ones read whole
                 self.ranges = None
         return super().read_range_through(key, start, length, chunk, sink)
 

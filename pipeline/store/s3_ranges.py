@@ -125,6 +125,8 @@ class RangeReader:
     ) -> int:
         """One ranged GET of ``length`` bytes read through ``chunk``, each piece handed to
         ``sink`` as it fills (``Store.read_range_through``); otherwise as ``read_into``."""
+        if not len(chunk):
+            raise ValueError("read_through needs a chunk of at least one byte")
         return self._get(bucket, key, start, length, chunk, sink, what)
 
     def _get(
