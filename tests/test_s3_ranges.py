@@ -174,23 +174,34 @@ def _local_release(tmp_path: Path, data: bytes):
     return store, blob_key(m.buckets["b1_s32"].files[0].sha256)
 
 
+def _spy_reads(store, key: str, tamper) -> list[tuple[int, int, int]]:
+    """Record (buffer id, start, length) of each ``read_range_into`` of ``key`` on
+    ``store``, after ``tamper(start, buf, n, reads)`` has had its say over the bytes read."""
+    reads: list[tuple[int, int, int]] = []
+    real = store.read_range_into
+
+    def spy(k, start, buf):
+        n = real(k, start, buf)
+        if k == key:
+            reads.append((id(buf.obj), start, len(buf)))
+            tamper(start, buf, n, reads)
+        return n
+
+    store.read_range_into = spy
+    return reads
+
+
 def test_land_range_reuses_the_thread_buffer_and_refetches_a_bad_part_into_it(tmp_path):
     """One thread, many ranges: one buffer; a part that arrives corrupt is fetched again,
     alone, into its place in that buffer."""
     data = os.urandom(8 * PART)
     store, key = _local_release(tmp_path, data)
-    seen: list[tuple[int, int, int]] = []
-    real = store.read_range_into
 
-    def part_flaky(k, start, buf):
-        n = real(k, start, buf)
-        if k == key:
-            seen.append((id(buf.obj), start, len(buf)))
-            if start == 2 * PART and not any(s == 3 * PART for _, s, _ in seen):
-                buf[PART + 10] ^= 0xFF  # part 3 of range [2, 4) arrives wrong once
-        return n
+    def part_flaky(start, buf, n, seen):
+        if start == 2 * PART and not any(s == 3 * PART for _, s, _ in seen):
+            buf[PART + 10] ^= 0xFF  # part 3 of range [2, 4) arrives wrong once
 
-    store.read_range_into = part_flaky
+    seen = _spy_reads(store, key, part_flaky)
     r = pull_release(store, "m", tmp_path / "e", version="v1", part_size=2 * PART, concurrency=1)
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
     assert r.refetched_parts == 1
@@ -315,18 +326,12 @@ def test_a_streamed_range_lands_piece_by_piece_and_a_bad_part_is_refetched_alone
     monkeypatch.setattr(LocalStore, "streams_ranges", lambda self: True)
     data = os.urandom(8 * PART + 3)
     store, key = _local_release(tmp_path, data)
-    reads: list[tuple[int, int, int]] = []
-    real = store.read_range_into
 
-    def flaky(k, start, buf):
-        n = real(k, start, buf)
-        if k == key:
-            reads.append((id(buf.obj), start, len(buf)))
-            if start <= 5 * PART + 7 < start + n and len(buf) < PART:  # once, while streamed
-                buf[5 * PART + 7 - start] ^= 0xFF
-        return n
+    def flaky(start, buf, n, _reads):
+        if start <= 5 * PART + 7 < start + n and len(buf) < PART:  # once, while streamed
+            buf[5 * PART + 7 - start] ^= 0xFF
 
-    store.read_range_into = flaky
+    reads = _spy_reads(store, key, flaky)
     r = pull_release(store, "m", tmp_path / "e", version="v1", part_size=4 * PART, concurrency=1)
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
     assert r.refetched_parts == 1 and r.parts == 3 + 1

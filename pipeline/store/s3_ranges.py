@@ -303,14 +303,13 @@ def _read_direct(
         resp.close()  # what it still buffered is lost: all of it had to be taken
     except (OSError, http.client.HTTPException) as e:
         raise _unreachable(what, e) from None
-    if sink is None:  # buf holds the body
+    if sink is None:  # buf holds the body: the rest goes after the head
         buf[: len(head)] = head
-        got = _receive(sock.recv_into, buf, want, None, start, what, len(head))
-    else:  # the head may be longer than buf: handed on as it is
-        if head:
-            sink(memoryview(head), start)
-        rest = want - len(head)
-        got = len(head) + _receive(sock.recv_into, buf, rest, sink, start + len(head), what)
+        buf = buf[len(head) :]
+    elif head:  # the head may be longer than buf: handed on as it is
+        sink(memoryview(head), start)
+    rest, at = want - len(head), start + len(head)
+    got = len(head) + _receive(sock.recv_into, buf, rest, sink, at, what)
     if got < want:  # the connection ended before Content-Length did
         raise StoreError(what, f"connection closed after {got} bytes of a range", "retry")
     return got, got == length
@@ -323,13 +322,12 @@ def _receive(
     sink: RangeSink | None,
     start: int,
     what: str,
-    have: int = 0,
 ) -> int:
     """``want`` bytes of a body by ``read`` (a ``readinto``): into ``buf``, which holds
     them; or, with ``sink``, through ``buf`` a piece at a time, each handed on with its
-    offset in the object (from ``start``) before the next read. ``have``: bytes already at
-    the start of ``buf``. The count that came, fewer where the body ended sooner."""
-    got = 0
+    offset in the object (from ``start``) before the next read. The count that came,
+    fewer where the body ended sooner."""
+    got = have = 0
     while True:
         room = want - got if sink is None else min(len(buf), want - got)
         try:
