@@ -19,8 +19,8 @@ baselines measured in the same run on the same endpoint:
   ``lean-sparse`` (temporary files made by ``ftruncate``, not preallocated); ``lean-buffered``
   (over ``--tls``, each range read whole into its thread's 16 MiB buffer, then its parts
   checked and written from there: the landing before it streamed a MiB at a time, the
-  baseline of that change; with the pull's own worker processes, where the experiments run
-  in one);
+  baseline of that change, and at the default concurrency of a store that does not stream,
+  up to 32; with the pull's own worker processes, where the experiments run in one);
   ``lean-splice`` (each 206 body moved socket → pipe → file by ``splice``, never into user
   memory, then each part read back from the page cache into a 1 MiB buffer and hashed: fewer
   trips through memory per byte; a bad or short part fetched again apart); ``lean-ktls``
@@ -648,7 +648,8 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(),
         "cpus": os.cpu_count(),
         "available_cpus": available_cpus(),
-        "default_concurrency": default_concurrency(),
+        # what the pull takes by default here (over TLS its ranges stream: up to 64)
+        "default_concurrency": default_concurrency(streamed=args.tls),
         "gib": args.gib,
         "tls": args.tls,
         "work": args.work or tempfile.gettempdir(),

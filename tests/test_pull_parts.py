@@ -364,6 +364,24 @@ def test_default_concurrency_suits_small_and_large_nodes():
     assert default_concurrency(1) == default_concurrency(2) == 8
     assert default_concurrency(4) == 16
     assert default_concurrency(192) == 32
+    # a streamed range holds 1 MiB, not a part: more in flight where CPUs keep them busy
+    assert default_concurrency(2, streamed=True) == 8
+    assert default_concurrency(16, streamed=True) == default_concurrency(192, streamed=True) == 64
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
+def test_a_pull_s_default_concurrency_follows_whether_its_store_streams(
+    store, tmp_path, monkeypatch, streamed
+):
+    import pipeline.install.pull as pull_mod
+
+    monkeypatch.setattr(type(store), "streams_ranges", lambda self: streamed)
+    monkeypatch.setattr(pull_mod, "available_cpus", lambda: 16)
+    data = _big(4 * PART)
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART, processes=1)
+    assert r.concurrency == (64 if streamed else 32)
+    assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
 
 
 def test_available_cpus_follows_the_cgroup_limit(tmp_path, monkeypatch):

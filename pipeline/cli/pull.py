@@ -34,7 +34,8 @@ def pull(
         typer.Option(
             min=1,
             max=256,
-            help="Ranged GETs in flight (default: 4 per available CPU, 8 to 32).",
+            help="Ranged GETs in flight (default: 4 per available CPU, 8 to 32; over "
+            "https, where ranges are streamed, 8 to 64).",
             show_default=False,
         ),
     ] = None,
