@@ -31,6 +31,7 @@ from pipeline.errors import (
     RuntimeMismatchError,
     StoreError,
 )
+from pipeline.install import landing
 from pipeline.install.fetcher import FILES_IN_TURN, interleaved
 from pipeline.install.landing import FILE_RETRIES, PART_RETRIES
 from pipeline.install.pull import available_cpus, default_concurrency, pull_release
@@ -369,18 +370,26 @@ def test_default_concurrency_suits_small_and_large_nodes():
     assert default_concurrency(16, streamed=True) == default_concurrency(192, streamed=True) == 64
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["buffered", "streamed"])
-def test_a_pull_s_default_concurrency_follows_whether_its_store_streams(
-    store, tmp_path, monkeypatch, streamed
+@pytest.mark.parametrize(
+    ("streamed", "schema", "want"),
+    [(False, 3, 32), (True, 3, 64), (True, 1, 32)],
+    ids=["buffered", "streamed", "streamed-store-schema-1"],
+)
+def test_a_pull_s_default_concurrency_follows_whether_its_ranges_stream(
+    store, tmp_path, monkeypatch, streamed, schema, want
 ):
+    """Up to 64 in flight where every range streams (1 MiB each); a file without part
+    digests is read a whole range at a time, so its release keeps the cap of 32."""
     import pipeline.install.pull as pull_mod
 
     monkeypatch.setattr(type(store), "streams_ranges", lambda self: streamed)
     monkeypatch.setattr(pull_mod, "available_cpus", lambda: 16)
     data = _big(4 * PART)
-    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
+    parts = PART if schema > 1 else None
+    make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=parts,
+                 schema=schema)  # fmt: skip
     r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART, processes=1)
-    assert r.concurrency == (64 if streamed else 32)
+    assert r.concurrency == want
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
 
 
@@ -459,6 +468,8 @@ def test_a_half_fetched_file_resumes_from_its_verified_parts(
     that verify are kept; the others (zeros, or torn writes) are fetched. A store whose
     ranges stream (over TLS) resumes the same way: its parts on disk are checked first."""
     monkeypatch.setattr(type(store), "streams_ranges", lambda self: streamed)
+    if streamed:  # checked and landed a MiB at a time: no range-sized buffer is made
+        monkeypatch.setattr(landing, "_buffer", lambda n: pytest.fail("a range buffer"))
     data = _big(8 * PART)
     m = make_release(store, tmp_path, buckets={"b1_s32": {"w.bin": data}}, part_size=PART)
     tmp = tmp_path / "d/m/.staging-v1/buckets/b1_s32/.w.bin.incomplete"
@@ -468,9 +479,17 @@ def test_a_half_fetched_file_resumes_from_its_verified_parts(
     torn[5 * PART : 5 * PART + 10] = data[5 * PART : 5 * PART + 10]  # part 5 torn
     tmp.write_bytes(bytes(torn))
     calls = []
-    real = store.read_range_into
     key = blob_key(m.buckets["b1_s32"].files[0].sha256)
-    store.read_range_into = lambda k, s, b: (calls.append(s) if k == key else None) or real(k, s, b)
+    if streamed:  # the range's one read (a local store's reads a chunk each under it)
+        through = store.read_range_through
+        store.read_range_through = lambda k, s, n, c, sink: (
+            (calls.append(s) if k == key else None) or through(k, s, n, c, sink)
+        )
+    else:
+        real = store.read_range_into
+        store.read_range_into = lambda k, s, b: (
+            (calls.append(s) if k == key else None) or real(k, s, b)
+        )
     r = pull_release(store, "m", tmp_path / "d", version="v1", part_size=PART)
     assert (r.path / "buckets/b1_s32/w.bin").read_bytes() == data
     assert sorted(calls) == [i * PART for i in range(3, 8)]

@@ -34,8 +34,8 @@ def pull(
         typer.Option(
             min=1,
             max=256,
-            help="Ranged GETs in flight (default: 4 per available CPU, 8 to 32; over "
-            "https, where ranges are streamed, 8 to 64).",
+            help="Ranged GETs in flight (default: 4 per available CPU, 8 to 32; 8 to 64 "
+            "where every range is streamed: https on the pull's own GETs, part digests).",
             show_default=False,
         ),
     ] = None,

@@ -8,7 +8,8 @@ part digests is streamed instead: read a MiB at a time into a small buffer, each
 written and fed to its part's hasher while it is in the CPU's cache, the parts checked once
 the range is in, and a bad one fetched again alone, as above. Bytes are then on disk before
 their part is checked, so a killed pull's temporary file may hold unchecked bytes: a resume
-checks every part on disk before it keeps one (``_already_there``), as it always did."""
+checks every part on disk before it keeps one (``_already_there``, a MiB at a time), as it
+always did, and streams a range it cannot keep."""
 
 from __future__ import annotations
 
@@ -74,15 +75,17 @@ class Landed:
 
 def land_range(store: Store, job: RangeJob, open_fd: Callable[[], int]) -> Landed:
     """Land ``job`` into the file ``open_fd()`` returns (asked for once the bytes are in,
-    unless resuming): the range is read into this thread's buffer, each manifest part is
-    checked against its digest there and written from there, and a bad one is fetched
-    again, alone, into its place in the buffer (up to ``PART_RETRIES`` times)."""
+    unless resuming: a resumed range whose parts on disk all check out is kept). The range
+    is streamed where the store streams (``_land_streamed``); else it is read into this
+    thread's buffer, each manifest part is checked against its digest there and written
+    from there, and a bad one is fetched again, alone, into its place in the buffer (up to
+    ``PART_RETRIES`` times)."""
     ref, key, start, length = job.ref, job.key, job.start, job.length
-    if ref.parts is not None and not job.resume and store.streams_ranges():
+    if job.resume and _already_there(open_fd(), ref, start, length):
+        return Landed(resumed=True)
+    if ref.parts is not None and store.streams_ranges():
         return _land_streamed(store, job, open_fd)
     buf = _buffer(length)
-    if job.resume and _already_there(open_fd(), ref, start, buf):
-        return Landed(resumed=True)
     got = _read(store, key, start, buf)
     fd = open_fd()
     fetched, refetched_parts, refetched_files = got, 0, 0
@@ -148,7 +151,8 @@ def _land_streamed(store: Store, job: RangeJob, open_fd: Callable[[], int]) -> L
         if fd < 0:
             fd = open_fd()
         redo = RangeJob(job.key, ref, job.tmp, off, n, False, False)
-        more, again = _write_parts(store, redo, fd, _buffer(n), 0)
+        # a buffer of its own, freed after: a thread keeps only its MiB in flight
+        more, again = _write_parts(store, redo, fd, memoryview(bytearray(n)), 0)
         extra, bad = extra + more, bad + again
     return Landed(got + extra, False, bad, 0)
 
@@ -179,14 +183,23 @@ def _parts_of(ref: FileRef, start: int, length: int) -> range:
     return range(start // ref.part_size, -(-(start + length) // ref.part_size))
 
 
-def _already_there(fd: int, ref: FileRef, start: int, buf: memoryview) -> bool:
-    """Whether every part of the range is already on disk with the right digest (read
-    into ``buf``, the range's buffer)."""
+def _already_there(fd: int, ref: FileRef, start: int, length: int) -> bool:
+    """Whether every part of the range is already on disk with the right digest: read a
+    MiB at a time through this thread's small buffer (``_chunk``), so checking a resumed
+    range holds no more memory than streaming one."""
     assert ref.parts is not None and ref.part_size is not None
-    for i in _parts_of(ref, start, len(buf)):
+    chunk = _chunk()
+    for i in _parts_of(ref, start, length):
         off, n = ref.part_range(i)
-        part = buf[off - start : off - start + n]
-        if os.preadv(fd, [part], off) != n or not part_matches(ref, i, part):
+        hasher, end = part_hasher(ref), off + n
+        while off < end:
+            piece = chunk[: min(len(chunk), end - off)]
+            got = os.preadv(fd, [piece], off)
+            if got == 0:  # short: the file ends before the part does
+                return False
+            hasher.update(piece[:got])
+            off += got
+        if hasher.hexdigest() != part_digest(ref, i):
             return False
     return True
 

@@ -60,14 +60,15 @@ from pipeline.store.verified import read_verified
 DEFAULT_PART = PART_SIZE  # bytes per ranged GET; rounded to whole manifest parts
 
 
-# Concurrency: 4 threads per available CPU, at least 8 and at most 32. Threads mostly wait
+# Concurrency: 4 threads per available CPU, at least 8 and at most 32 (64 where ranges
+# stream, below). Threads mostly wait
 # on the network; the CPU work (TLS, botocore, sha256) releases the GIL for large buffers.
 # 8 keep a 2-CPU init container's network busy; 32 x 16 MiB = 512 MiB in flight is what an
 # init container's memory limit should hold, and already saturates more than 2 CPUs.
 MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
 # Where ranges stream (``Store.streams_ranges``: S3 over https) a range in flight holds
 # 1 MiB, not 16, so the cap is memory's no longer: at 16 GiB over TLS on 16 cores, 64 in
-# flight landed 64 files in 0.85-0.94x the time of 32 and 4 files in 0.94x, with 2-13 % less
+# flight landed 64 files in 0.85-0.94x the time of 32 and 4 files in 0.94x, with 2-12 % less
 # CPU per GB and 33 MiB more peak memory; 128 was slower than 32 (bench/RESULTS.md,
 # thirty-third round).
 MAX_STREAMED_CONCURRENCY = 64
@@ -145,12 +146,14 @@ def pull_release(
     ``default_processes``); ``concurrency`` is the ranges in flight across all of them."""
     start = time.monotonic()
     cpus = None if concurrency and processes else available_cpus()  # the cgroup read once
-    concurrency = concurrency or default_concurrency(cpus, streamed=store.streams_ranges())
     processes = processes or default_processes(store, cpus)
     release = read_verified(store, model, version=version, channel=channel, trust=trust)
     manifest, raw, version = release.manifest, release.data, release.manifest.version
     sig = release.signature.model_dump_json(indent=2).encode() if release.signature else None
     files = release_files(manifest)  # refuses paths that leave the release directory
+    # a file without part digests (schema 1) is read a whole range at a time even there
+    streamed = store.streams_ranges() and all(ref.parts is not None for _, ref in files)
+    concurrency = concurrency or default_concurrency(cpus, streamed=streamed)
     model_dir = Path(dest) / model
     final = model_dir / version
     total = sum(ref.size for _, ref in files)
