@@ -991,6 +991,7 @@ def serve_ways(
                 if args.rate and way != "lone":
                     due = poisson_arrivals(len(work), args.rate, args.seed)
                 clients: dict[str, float] = {}
+                speed = host_probe.python_speed()  # the host just before (0.3-0.8 s)
                 host0 = host_probe.snapshot(server.proc.pid)
                 t0 = time.monotonic()
                 wall, answers, errs = replay(
@@ -1007,6 +1008,7 @@ def serve_ways(
                 )
                 t1 = time.monotonic()
                 host = host_probe.delta(host0, host_probe.snapshot(server.proc.pid), t1 - t0)
+                host["python_s"] = speed
                 host["clients"] = {
                     "cpus": clients["cpu_s"] / (t1 - t0),
                     "involuntary_per_s": clients["involuntary"] / (t1 - t0),

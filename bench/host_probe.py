@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,19 @@ def delta(before: dict[str, Any], after: dict[str, Any], wall: float) -> dict[st
     return out
 
 
+def python_speed(runs: int = 3) -> float:
+    """Seconds for ``sum(range(10_000_000))`` in this process, best of ``runs``: how fast the
+    host runs one Python thread just then. The thirty-third round's host took 0.125 s at its
+    session's start and 0.273 s at one replay's end, and that replay's TTFT p99 was twice
+    the rounds' before; taken before each replay, it tells a slow host from a slow server."""
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        sum(range(10_000_000))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def own_usage() -> dict[str, float]:
     """This process's CPU seconds and involuntary switches, its ended threads included (a
     client process reports them before it exits)."""
@@ -167,6 +181,8 @@ def summary(d: dict[str, Any] | None, label: str = "host: ") -> str:
     if not d:
         return label + "not measured"
     parts = []
+    if d.get("python_s") is not None:
+        parts.append(f"python {d['python_s']:.3f} s before")
     if d.get("machine_busy_cpus") is not None:
         parts.append(
             f"machine busy {d['machine_busy_cpus']:.1f} of {d['machine_cpus']} CPUs, "

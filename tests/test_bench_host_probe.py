@@ -61,3 +61,9 @@ def test_no_server_measures_the_machine_alone_and_a_gone_process_is_skipped():
     assert snap["procs"] == {"front0": {}} and snap["machine"]["busy"] > 0
     d = host_probe.delta(host_probe.snapshot(None), host_probe.snapshot(None), 1.0)
     assert d["roles"] == {} and host_probe.summary(None) == "host: not measured"
+
+
+def test_the_host_s_python_speed_is_timed_and_shown():
+    seconds = host_probe.python_speed(runs=1)
+    assert 0 < seconds < 60
+    assert f"python {seconds:.3f} s before" in host_probe.summary({"python_s": seconds})

@@ -47,6 +47,7 @@ def test_the_serve_bench_runs_every_way_a_device_round_asks_for(installed, tmp_p
     for w in ways.values():
         assert w["failed_requests"] == 0 and w["answers_differing_from_alone"] == 0
         assert len(w["every_round"]) == 2 and w["output_tokens_per_s"] > 0
+        assert all(r["host"]["python_s"] > 0 for r in w["every_round"])  # the host, timed
     assert ways["serve/2p"]["requests"] == ways["front1/2p"]["requests"] == 40
 
 
