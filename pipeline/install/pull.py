@@ -61,10 +61,10 @@ DEFAULT_PART = PART_SIZE  # bytes per ranged GET; rounded to whole manifest part
 
 
 # Concurrency: 4 threads per available CPU, at least 8 and at most 32 (64 where ranges
-# stream, below). Threads mostly wait
-# on the network; the CPU work (TLS, botocore, sha256) releases the GIL for large buffers.
-# 8 keep a 2-CPU init container's network busy; 32 x 16 MiB = 512 MiB in flight is what an
-# init container's memory limit should hold, and already saturates more than 2 CPUs.
+# stream, below). Threads mostly wait on the network; the CPU work (TLS, botocore, sha256)
+# releases the GIL for large buffers. 8 keep a 2-CPU init container's network busy; 32 x
+# 16 MiB = 512 MiB in flight is what an init container's memory limit should hold, and
+# already saturates more than 2 CPUs.
 MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
 # Where ranges stream (``Store.streams_ranges``: S3 over https) a range in flight holds
 # 1 MiB, not 16, so the cap is memory's no longer: at 16 GiB over TLS on 16 cores, 64 in
