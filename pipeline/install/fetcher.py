@@ -220,7 +220,8 @@ class Fetcher:
                     if task is None:  # stopped
                         self._queue.put(None)  # for the loop after this one
                         return
-                    self._land(*task)
+                    if self._error is None:  # another thread may have failed since
+                        self._land(*task)
                     continue
                 claimed = self._claim()
                 if not claimed:
