@@ -37,8 +37,9 @@ The endpoint is Debian's nginx serving the store directory as a path-style S3 bu
 GETs with byte ranges at disk/page-cache speed): moto's server moves ~40 MB/s and would be
 the bottleneck. nginx listens with ``reuseport``, so the kernel spreads connections evenly
 over its workers, as S3 spreads them over its servers. Each method runs into an empty
-directory, best of two. The pull runs as its own process (``python -c``, like the CLI),
-which also reports its peak resident set (VmHWM).
+directory after a sync, best of ``--best-of`` rounds in which the methods take turns. The
+pull runs as its own process (``python -c``, like the CLI), which also reports its peak
+resident set (VmHWM).
 Each pull variant also gets one run with every call that releases the GIL timed (where its
 threads wait) and, as a diagnostic only, two with its sha256 skipped (what hashing costs).
 The pull with its defaults also runs through the CLI (``cli pull``: the init container's
@@ -844,12 +845,24 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         methods = [m for m in methods if _skip_key(m[0]) not in args.skip]
         for label, gets, concurrency in args.pulls:
             methods.append((label, partial(pull, label, gets, concurrency), root / "pulled"))
-        for name, fn, cleanup in methods:
-            # Best of two, and the CPU seconds per GB of that run's child processes (all but
-            # boto3, which runs in here). On the 2-core VM every other run of the same method
-            # was about twice as slow and took twice the CPU (its disk is mounted with
-            # `discard`), so an average of two would mostly measure that.
-            best, best_cpu = min(_run(fn, cleanup) for _ in range(args.best_of))
+        # Best of --best-of, the methods in turn within each round (s5cmd, the CLI, each pull,
+        # then again), so that a host that changes within a call touches every method alike,
+        # not the later ones only (2026-12-07: the 64-file pull 2.83 s in one call, 3.60 s in
+        # the next, the host's Python 1.6x slower); each run after a sync, so that it does not
+        # share the disk with the run before's writeback (16 GiB is more than the kernel's
+        # background dirty threshold on the 128 GiB host). The CPU seconds per GB are the best
+        # run's child processes' (all but boto3, which runs in here). On the 2-core VM every
+        # other run of a method was about twice as slow (its disk is mounted with `discard`),
+        # so the best, not a mean, is the figure.
+        every: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+        best_run: dict[str, tuple[float, float]] = {}
+        for _ in range(args.best_of):
+            for name, fn, cleanup in methods:
+                run = _run(fn, cleanup)
+                every[name].append(run[0])
+                best_run[name] = min(best_run.get(name, run), run)
+        for name, _, _ in methods:
+            best, best_cpu = best_run[name]
             rows[name] = best
             cpu[name] = best_cpu / gb
             line = f"{name:44s} {best:7.2f} s  {gb / best:6.2f} GB/s  {cpu[name]:5.2f} CPU-s/GB"
@@ -859,10 +872,13 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                     f"  peak RSS {max(r['peak_rss'] for r in p) / 2**20:4.0f} MiB"
                     f" (c={p[-1]['concurrency']})"
                 )
+            if len(every[name]) > 1:
+                line += "  runs " + "/".join(f"{t:.2f}" for t in every[name])
             print(line, flush=True)
         shape: dict = {
             "bytes": total,
             "seconds": rows,
+            "every_run_s": every,  # in the order run: round by round, methods in turn
             "gb_per_s": {k: gb / v for k, v in rows.items()},
             "child_cpu_s_per_gb": {k: v for k, v in cpu.items() if not k.startswith("boto3")},
             "pulls": {},
@@ -1126,6 +1142,7 @@ def _run(fn, cleanup: Path | None) -> tuple[float, float]:
     """(seconds, CPU seconds of the child processes) of one run."""
     if cleanup is not None:
         shutil.rmtree(cleanup, ignore_errors=True)
+    os.sync()  # what an earlier run wrote is on disk before this one starts, not during it
     c0 = _children_cpu()
     t = timed(fn)
     c = _children_cpu() - c0

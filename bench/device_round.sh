@@ -139,17 +139,18 @@ stage_pull() {  # issue 32 at 16 GiB; PULLS: bench_pull's --pulls (experiments i
 # the same over TLS, as S3 is reached (the certificate in .devrun/tls, made by
 # prepare_device_bench.sh: the device image may lack openssl); by default the pull as it is
 # (a worker per CPU over https, 64 in flight on 16 CPUs, each range streamed a MiB at a time,
-# hashed and written while in cache) beside lean-buffered (each range read whole first, 32
-# in flight: the pull before the thirty-second round, its baseline) and 32 in flight
-# streamed (the default before the thirty-third), best of PULL_BEST runs (default 2: one run's spread was
-# +-10-20 %, thirty-second round), shapes PULL_SHAPES (default 64,4: many files first, the
+# hashed and written while in cache) beside 32 in flight (the default before the
+# thirty-third round; lean-buffered, the landing before streaming, was measured in the
+# thirty-second and thirty-third), the CLI and s5cmd, best of PULL_BEST rounds (default 3:
+# one run's spread was +-10-20 %, thirty-second round; the methods take turns within a
+# round since the thirty-fourth), shapes PULL_SHAPES (default 64,4: many files first, the
 # shape issue 32 still misses), skipping PULL_SKIP (default: the per-call timings and the
 # unverified runs (stages), s5cmd + sha256sum (20 s a run; 0.77-0.86 GB/s in every round));
 # NEED_PULL: the seconds it needs (default 240; one shape needs less)
 stage_pulltls() {
   stage pulltls "${NEED_PULL:-240}" python3 bench/bench_pull.py --gib 16 --shapes "${PULL_SHAPES:-64,4}" \
-    --pulls "${PULLS_TLS:-lean,lean-buffered,lean:32}" --tls --tls-dir .devrun/tls \
-    --skip "${PULL_SKIP:-curl,boto3,gil,stages,sha256sum}" --best-of "${PULL_BEST:-2}" \
+    --pulls "${PULLS_TLS:-lean,lean:32}" --tls --tls-dir .devrun/tls \
+    --skip "${PULL_SKIP:-curl,boto3,gil,stages,sha256sum}" --best-of "${PULL_BEST:-3}" \
     --nginx .devrun/bin/nginx-wrap --s5cmd .devrun/bin/s5cmd --out "$R/pull16-tls.json"
 }
 # How long this host's first CUDA call takes, and whether the driver stays initialised
