@@ -185,22 +185,29 @@ def _parts_of(ref: FileRef, start: int, length: int) -> range:
 
 def _already_there(fd: int, ref: FileRef, start: int, length: int) -> bool:
     """Whether every part of the range is already on disk with the right digest: read a
-    MiB at a time through this thread's small buffer (``_chunk``), so checking a resumed
-    range holds no more memory than streaming one."""
+    MiB at a time (``_hash_on_disk``), so checking a resumed range holds no more memory
+    than streaming one."""
     assert ref.parts is not None and ref.part_size is not None
-    chunk = _chunk()
     for i in _parts_of(ref, start, length):
-        off, n = ref.part_range(i)
-        hasher, end = part_hasher(ref), off + n
-        while off < end:
-            piece = chunk[: min(len(chunk), end - off)]
-            got = os.preadv(fd, [piece], off)
-            if got == 0:  # short: the file ends before the part does
-                return False
-            hasher.update(piece[:got])
-            off += got
+        hasher = part_hasher(ref)
+        if not _hash_on_disk(hasher, fd, *ref.part_range(i)):
+            return False
         if hasher.hexdigest() != part_digest(ref, i):
             return False
+    return True
+
+
+def _hash_on_disk(hasher: Any, fd: int, off: int, n: int) -> bool:
+    """Feed ``n`` bytes of ``fd`` from ``off`` to ``hasher`` through this thread's small
+    buffer (``_chunk``); False where the file ends first."""
+    chunk, end = _chunk(), off + n
+    while off < end:
+        piece = chunk[: min(len(chunk), end - off)]
+        got = os.preadv(fd, [piece], off)
+        if got == 0:
+            return False
+        hasher.update(piece[:got])
+        off += got
     return True
 
 
@@ -306,13 +313,9 @@ def reserve(fd: int, start: int, length: int) -> bool:
 
 
 def sha256_fd(fd: int, size: int) -> str:
-    h, off = hashlib.sha256(), 0
-    while off < size:
-        chunk = os.pread(fd, min(1 << 20, size - off), off)
-        if not chunk:
-            break
-        h.update(chunk)
-        off += len(chunk)
+    """The sha256 of the file's first ``size`` bytes (of fewer, where it is shorter)."""
+    h = hashlib.sha256()
+    _hash_on_disk(h, fd, 0, size)
     return h.hexdigest()
 
 
