@@ -287,3 +287,35 @@ def test_cuda_kernels_for_another_gpu_architecture_are_refused(monkeypatch, tmp_
         graph_loading.check_runs_here(spec, tmp_path)
     monkeypatch.setattr(graph_loading, "cuda_arch", lambda device=None: "sm_90")
     graph_loading.check_runs_here(spec, tmp_path)  # same architecture: fine
+
+
+def test_a_process_that_dies_leaves_its_extracted_packages_to_the_next_load(installed, tmp_path):
+    """torch's loader extracts each package under TMPDIR and removes it only when destroyed:
+    the engine's process ends by os._exit or SIGKILL. Each process extracts into a folder of
+    its own, and a later load sweeps the folders of processes that are gone."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.runtime import graph_loading
+
+    _, model_dir = installed
+    load = (
+        "import os, sys; from pipeline.runtime import BucketedModel; "
+        "m = BucketedModel.load(sys.argv[1]); m.generate([[1, 2, 3]], 2); "
+        "print(os.getpid(), flush=True); os._exit(0)"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    pid = subprocess.run(
+        [sys.executable, "-c", load, str(model_dir)],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.split()[-1]  # fmt: skip
+    (left,) = tmp_path.glob(f"{graph_loading.EXTRACT_PREFIX}*-{pid}")
+    assert any(left.iterdir())  # what the dead process had extracted, still there
+    assert not list(tmp_path.glob("aotinductor_*"))  # nothing outside its folder
+    again = subprocess.run(
+        [sys.executable, "-c", load, str(model_dir)],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.split()[-1]  # fmt: skip
+    assert not left.exists()  # swept by the next process's first load
+    assert [p.name.rsplit("-", 1)[1] for p in tmp_path.iterdir()] == [again]

@@ -4,6 +4,10 @@ against the contract it was built for (``pipeline.contracts.graph_abi``)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -56,7 +60,7 @@ def load_graph(
 
     device = torch.device(device or spec.device)
     _quiet_isa_notice()
-    with _no_isa_probe():
+    with _no_isa_probe(), _extracting_into(_extraction_dir()):
         model = aoti_load_package(
             str(path),
             run_single_threaded=single_threaded,
@@ -111,7 +115,56 @@ def _quiet_isa_notice() -> None:
         log.addFilter(_IsaNotice())
 
 
-_LOADING = threading.Lock()  # the swap below is process-wide: one load at a time
+_LOADING = threading.Lock()  # the swaps below are process-wide: one load at a time
+
+# A package's load extracts its files into a new folder under TMPDIR, which torch's loader
+# removes when it is destroyed; a process that ends without destroying it (the engine's
+# process ends by os._exit or SIGKILL with its server) left ~2 MB a graph in /tmp, every
+# server start: 30 GB on a developer VM in two days. So each process extracts into a folder
+# of its own, named by host and pid, and any load sweeps the folders of processes gone.
+EXTRACT_PREFIX = "inf2-pipeline-graphs-"
+_EXTRACTED: dict[int, Path] = {}  # pid -> its folder (a forked child makes its own)
+
+
+def _extraction_dir() -> Path:
+    """This process's folder for extracted packages, made at its first load, after
+    sweeping the folders of this host's processes that are gone."""
+    pid = os.getpid()
+    if pid not in _EXTRACTED:
+        base, host = Path(tempfile.gettempdir()), socket.gethostname()
+        for old in base.glob(f"{EXTRACT_PREFIX}{host}-*"):
+            gone = old.name.rsplit("-", 1)[1]
+            if gone.isdigit() and not _alive(int(gone)):
+                shutil.rmtree(old, ignore_errors=True)
+        folder = base / f"{EXTRACT_PREFIX}{host}-{pid}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        _EXTRACTED[pid] = folder
+    return _EXTRACTED[pid]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def _extracting_into(folder: Path) -> Iterator[None]:
+    """TMPDIR, which torch's loader extracts under, is ``folder`` for the load (under
+    ``_LOADING``, held by ``_no_isa_probe``)."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(folder)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
 
 
 @contextlib.contextmanager
