@@ -44,10 +44,14 @@ demo: $(STAMP)
 
 # The two environments build side by side: pip compiles each package's bytecode on one core
 # (43 of torch's 57 s of install on a 2-core machine), and the tests need that bytecode where
-# PYTHONDONTWRITEBYTECODE is set.
+# PYTHONDONTWRITEBYTECODE is set. The tests run in two pytest-xdist workers, a test file to
+# each at a time (a module's server starts once): one pytest used 1.2 of the 2 cores. The
+# releases they compile are compiled once and shared (tests/shared_builds.py).
+TEST_WORKERS ?= 2
 test:
 	$(MAKE) -j2 venv neuron-venv
-	INF2_NEURON_VENV=$(abspath $(NEURON_VENV)) $(BIN)/python -m pytest -q
+	INF2_NEURON_VENV=$(abspath $(NEURON_VENV)) $(BIN)/python -m pytest -q \
+		-n $(TEST_WORKERS) --dist loadfile
 
 # CPU benchmarks; the GPU ones (bench_cuda_*.py) need an NVIDIA GPU: see bench/RESULTS.md.
 bench: $(STAMP)

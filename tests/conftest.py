@@ -9,6 +9,7 @@ import pytest
 
 # A neuron release made with the stand-in exporter, and the stand-in optimum.neuron.
 from tests.neuron_fakes import neuron_release, standin  # noqa: F401
+from tests.shared_builds import built_once
 from tests.tls_cert import self_signed_cert
 
 REPO = Path(__file__).resolve().parent.parent
@@ -16,10 +17,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The default tiny Llama (8 query / 2 KV heads), written once per test session."""
+    """The default tiny Llama (8 query / 2 KV heads), written once per test run."""
     from pipeline.tiny_model import write_tiny_model
 
-    return write_tiny_model(tmp_path_factory.mktemp("ckpt") / "tiny-llama")
+    root = built_once(tmp_path_factory, "ckpt", lambda d: write_tiny_model(d / "tiny-llama"))
+    return root / "tiny-llama"
 
 
 @pytest.fixture
@@ -106,41 +108,47 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def compiled_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     """configs/tiny-llama.yaml (grid buckets/demo.yaml, tp 4: GQA-padded) compiled on cpu
-    into a fresh store, once per session. Yields (release config path, store dir); treat
+    into a fresh store, once per test run. Returns (release config path, store dir); treat
     both as read-only. Compiled bucket directories are under ``config.parent / "work"``."""
-    import yaml
 
-    from pipeline.compile.scheduler import compile_release
-    from pipeline.plan.config import load_config
+    def build(root: Path) -> None:
+        import yaml
 
-    root = tmp_path_factory.mktemp("compiled")
-    source = REPO / "configs" / "tiny-llama.yaml"
-    data = yaml.safe_load(source.read_text())
-    data["model"]["checkpoint"] = str(tiny_checkpoint)
-    data["buckets"]["grid"] = str((source.parent / data["buckets"]["grid"]).resolve())
-    data["store"] = str(root / "store")
-    config = root / "tiny-llama.yaml"
-    config.write_text(yaml.safe_dump(data, sort_keys=False))
-    report = compile_release(load_config(config), jobs=2, workdir=root / "work")
-    assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
-    yield config, root / "store"
+        from pipeline.compile.scheduler import compile_release
+        from pipeline.plan.config import load_config
+
+        source = REPO / "configs" / "tiny-llama.yaml"
+        data = yaml.safe_load(source.read_text())
+        data["model"]["checkpoint"] = str(tiny_checkpoint)
+        data["buckets"]["grid"] = str((source.parent / data["buckets"]["grid"]).resolve())
+        data["store"] = str(root / "store")
+        config = root / "tiny-llama.yaml"
+        config.write_text(yaml.safe_dump(data, sort_keys=False))
+        report = compile_release(load_config(config), jobs=2, workdir=root / "work")
+        assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
+
+    root = built_once(tmp_path_factory, "compiled", build)
+    return root / "tiny-llama.yaml", root / "store"
 
 
 @pytest.fixture(scope="session")
 def installed(compiled_store, tmp_path_factory):
     """The compiled demo release, published and pulled: (release, DEST/MODEL). Read-only:
     tests that damage a release work on a copy."""
-    from pipeline.compile.release import publish_release
-    from pipeline.install.pull import pull_release
     from pipeline.plan.config import load_config
-    from pipeline.store import open_store
 
     config, store_dir = compiled_store
     release = load_config(config)
-    version = publish_release(release, version="v-installed").version
-    dest = tmp_path_factory.mktemp("models")
-    pull_release(open_store(str(store_dir)), release.name, dest, version=version)
-    return release, dest / release.name
+
+    def build(dest: Path) -> None:
+        from pipeline.compile.release import publish_release
+        from pipeline.install.pull import pull_release
+        from pipeline.store import open_store
+
+        version = publish_release(release, version="v-installed").version
+        pull_release(open_store(str(store_dir)), release.name, dest, version=version)
+
+    return release, built_once(tmp_path_factory, "models", build) / release.name
 
 
 @pytest.fixture(scope="session")

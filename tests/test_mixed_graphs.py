@@ -25,6 +25,7 @@ from pipeline.runtime.decode_session import DecodeSession
 from pipeline.runtime.graph_loading import BucketGraphs, new_cache
 from pipeline.runtime.sampling import SamplingParams
 from pipeline.runtime.session_slots import SessionSlots
+from tests.shared_builds import built_once
 from tests.test_cuda_graphs import ReplayRecorder
 
 GRID = """
@@ -41,13 +42,14 @@ def buckets(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     """b1_s64 and b3_s64 compiled on cpu, b3 with a mixed graph used at 32 and 64."""
     from pipeline.compile.scheduler import compile_release
 
-    root = tmp_path_factory.mktemp("mixed")
-    config = root / "release.yaml"
-    text = GRID.replace("{ckpt}", str(tiny_checkpoint)).replace("MIXED", "mixed_lengths: [32, 64]")
-    config.write_text(text)
-    report = compile_release(load_config(config), jobs=2, workdir=root / "work")
-    assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
-    return root / "work" / "buckets"
+    def build(root: Path) -> None:
+        config = root / "release.yaml"
+        text = GRID.replace("{ckpt}", str(tiny_checkpoint))
+        config.write_text(text.replace("MIXED", "mixed_lengths: [32, 64]"))
+        report = compile_release(load_config(config), jobs=2, workdir=root / "work")
+        assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
+
+    return built_once(tmp_path_factory, "mixed", build) / "work" / "buckets"
 
 
 def test_a_mixed_call_is_its_step_and_its_prefills_apart(tiny_checkpoint):
