@@ -105,6 +105,21 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 # --- The demo release compiled on cpu, once per session (compile stage) --------------------
 
 
+def _demo_config(root: Path, checkpoint: Path, backend: str) -> Path:
+    """configs/tiny-llama.yaml for ``backend``, its checkpoint and store under ``root``."""
+    import yaml
+
+    source = REPO / "configs" / "tiny-llama.yaml"
+    data = yaml.safe_load(source.read_text())
+    data["model"]["checkpoint"] = str(checkpoint)
+    data["target"]["backend"] = backend
+    data["buckets"]["grid"] = str((source.parent / data["buckets"]["grid"]).resolve())
+    data["store"] = str(root / "store")
+    config = root / "tiny-llama.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    return config
+
+
 @pytest.fixture(scope="session")
 def compiled_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
     """configs/tiny-llama.yaml (grid buckets/demo.yaml, tp 4: GQA-padded) compiled on cpu
@@ -112,18 +127,10 @@ def compiled_store(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFacto
     both as read-only. Compiled bucket directories are under ``config.parent / "work"``."""
 
     def build(root: Path) -> None:
-        import yaml
-
         from pipeline.compile.scheduler import compile_release
         from pipeline.plan.config import load_config
 
-        source = REPO / "configs" / "tiny-llama.yaml"
-        data = yaml.safe_load(source.read_text())
-        data["model"]["checkpoint"] = str(tiny_checkpoint)
-        data["buckets"]["grid"] = str((source.parent / data["buckets"]["grid"]).resolve())
-        data["store"] = str(root / "store")
-        config = root / "tiny-llama.yaml"
-        config.write_text(yaml.safe_dump(data, sort_keys=False))
+        config = _demo_config(root, tiny_checkpoint, "cpu")
         report = compile_release(load_config(config), jobs=2, workdir=root / "work")
         assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
 
@@ -156,31 +163,25 @@ def compiled_cuda_release(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPa
     """The demo release compiled for cuda, published and pulled, once per session: the
     installed release directory. GPU machines only (skips where torch sees no GPU)."""
     import torch
-    import yaml
 
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    from pipeline.compile.release import publish_release
-    from pipeline.compile.scheduler import compile_release
-    from pipeline.install.pull import pull_release
-    from pipeline.plan.config import load_config
-    from pipeline.store import open_store
 
-    root = tmp_path_factory.mktemp("compiled-cuda")
-    source = REPO / "configs" / "tiny-llama.yaml"
-    data = yaml.safe_load(source.read_text())
-    data["model"]["checkpoint"] = str(tiny_checkpoint)
-    data["target"]["backend"] = "cuda"
-    data["buckets"]["grid"] = str((source.parent / data["buckets"]["grid"]).resolve())
-    data["store"] = str(root / "store")
-    config = root / "tiny-llama.yaml"
-    config.write_text(yaml.safe_dump(data, sort_keys=False))
-    release = load_config(config)
-    report = compile_release(release, jobs=2, workdir=root / "work")
-    assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
-    version = publish_release(release, version="v-cuda").version
-    pull_release(open_store(str(root / "store")), release.name, root / "models", version=version)
-    return root / "models" / release.name
+    def build(root: Path) -> None:
+        from pipeline.compile.release import publish_release
+        from pipeline.compile.scheduler import compile_release
+        from pipeline.install.pull import pull_release
+        from pipeline.plan.config import load_config
+        from pipeline.store import open_store
+
+        release = load_config(_demo_config(root, tiny_checkpoint, "cuda"))
+        report = compile_release(release, jobs=2, workdir=root / "work")
+        assert not report.failed, [(r.bucket.name, r.error) for r in report.failed]
+        version = publish_release(release, version="v-cuda").version
+        store = open_store(str(root / "store"))
+        pull_release(store, release.name, root / "models", version=version)
+
+    return built_once(tmp_path_factory, "compiled-cuda", build) / "models" / "tiny-llama"
 
 
 @pytest.fixture
