@@ -28,7 +28,10 @@ same requests from the same arguments. Every answer of every way is compared wit
 model's output for that prompt alone (generated here, one prompt at a time, before the
 servers start); any difference fails the run unless ``--tolerate-mismatch``. Slot occupancy
 (decode rows in use ÷ rows stepped), prefill padding efficiency and steps come from the
-server's /metrics, scraped before and after each way. Loopback only; stops by itself.
+server's /metrics, scraped before and after each way. With ``--interleave-servers`` every
+server starts first and their rounds run in turn (round 1 of each, then round 2 of each), so
+that a host whose speed drifts within the run weighs on every server alike; each round's
+``started_s`` says when it ran. Loopback only; stops by itself.
 
     python bench/bench_serve.py pulled/tiny-llama [--requests 300] [--concurrency 32,64] \\
         [--scale-to SEQ] [--json FILE] [--peer peers/hf-continuous-batching/peer_serve.py]
@@ -56,7 +59,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -64,6 +67,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 HERE = Path(__file__).resolve().parent
+BENCH_START = time.monotonic()  # rounds say when they started (``started_s``)
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(1, str(HERE))  # device_timeline
@@ -435,6 +439,7 @@ ROUND_FIGURES = (
     "server_loop_lag_p99_s",
     "server_written_p99_s",
     "answers_differing_from_alone",
+    "started_s",
     "host",
 )
 
@@ -938,15 +943,18 @@ def serve_ways(
     args: argparse.Namespace,
     tmp: Path,
     keep: Any,
-) -> list[str]:
+    errors: list[str],
+) -> Iterator[None]:
     """Start the server ``batching`` names in SERVERS, run each (way, concurrency)
-    ``--rounds`` times (``keep`` gets every measurement), stop it; returns its errors."""
+    ``--rounds`` times (``keep`` gets every measurement), stop it; its errors go into
+    ``errors``. A generator: it yields once the server is ready and after each round, so
+    that ``run_servers`` can take the servers' rounds in turn."""
     extra = list(SERVERS[batching]) if batching in SERVERS else list(args.variants[batching])
     most = max(c for _, c in ways)
     if most > 256:  # the server's default --max-queue
         extra += ["--max-queue", str(most)]
     extra += args.serve_arg
-    errors: list[str] = []
+    mine: list[str] = []
     logfile = tmp / f"serve-{batching}.log"
     log(f"starting serve {' '.join(extra)}")
     timeline = None
@@ -976,8 +984,11 @@ def serve_ways(
             w = work[: args.warmup_requests]
             _, _, errs = replay(url, name, w, min(most, len(w)), args.request_timeout)
             if errs:
-                errors += [f"warm-up: {e}" for e in errs[:3]]
+                mine += [f"warm-up: {e}" for e in errs[:3]]
+        yield  # ready: run_servers may start the next server before the first round
         for r in range(args.rounds):
+            if r:
+                yield  # a round done: another server's may come first
             for (way, conc), procs in itertools.product(ways, args.client_procs):
                 if conc == 1 and procs != args.client_procs[0]:
                     continue  # one client is one thread: once is enough
@@ -1021,17 +1032,18 @@ def serve_ways(
                     sent, truth, wall, answers, errs, server_figures(before, after, buckets), conc
                 )
                 figures["server_startup_s"] = startup
+                figures["started_s"] = round(t0 - BENCH_START, 2)  # when in the run
                 figures["host"] = host
                 if timeline is None:
                     keep(label, batching, conc, r, figures)
                 else:  # the device's account comes when the engine stops
                     measured.append((label, conc, r, figures, t0, t1))
     except Exception as e:
-        errors.append(f"serve --batching {batching}: {type(e).__name__}: {e}")
+        mine.append(f"serve --batching {batching}: {type(e).__name__}: {e}")
     finally:
         rc = server.stop()
         if rc != 0:
-            errors.append(f"serve --batching {batching} exited {rc}")
+            mine.append(f"serve --batching {batching} exited {rc}")
         if timeline is not None:
             import device_timeline
 
@@ -1039,15 +1051,35 @@ def serve_ways(
             for way, conc, r, figures, t0, t1 in measured:
                 figures["device"] = device_timeline.summarize(calls, t0, t1)
                 keep(way, batching, conc, r, figures)
-        if errors and ready:
-            errors.append("server log tail:\n" + server.output()[-2000:])
+        if mine and ready:
+            mine.append("server log tail:\n" + server.output()[-2000:])
         if args.json:  # beside the figures: the server's own account
             keep_log = args.json.with_name(f"{args.json.stem}.serve-{batching}.log")
             keep_log.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(logfile, keep_log)
-    for e in errors:
-        log(f"error: {e}")
-    return errors
+        for e in mine:
+            log(f"error: {e}")
+        errors += mine
+
+
+def run_servers(servers: list[Iterator[None]], interleave: bool, save: Callable[[], None]) -> None:
+    """Each server's rounds (``serve_ways``): one server after another, or with
+    ``interleave`` every server started first and then round 1 of each in turn, round 2 of
+    each, ..., so that a host that slows or speeds up within the run (the thirty-fourth
+    round's host ran Python 1.6x slower 13 s later) weighs on every server alike, not on
+    whichever ran last. Interleaved servers are resident together: each holds its release
+    and its KV caches on the device."""
+    if not interleave:
+        for server in servers:
+            for _ in server:
+                save()
+        return
+    live = list(servers)
+    while live:
+        for server in list(live):
+            if next(server, StopIteration) is StopIteration:
+                live.remove(server)
+            save()
 
 
 def run_peer(
@@ -1340,6 +1372,13 @@ def main() -> None:
         "the JSON (every_round)",
     )
     ap.add_argument(
+        "--interleave-servers",
+        action="store_true",
+        help="start every server (way, variant) first, then run round 1 of each in turn, "
+        "round 2 of each, ...: comparisons across servers meet the host alike (each holds its "
+        "release on the device meanwhile)",
+    )
+    ap.add_argument(
         "--ways",
         default=",".join(WAYS),
         help=f"the server ways to run, of {','.join(WAYS)}; none: only the in-process figures "
@@ -1582,8 +1621,8 @@ def main() -> None:
     for label in variants:  # the default server with more flags, at the serve way's clients
         plan.append((label, [(label, c) for c in concs]))
     with tempfile.TemporaryDirectory() as tmp:
-        for batching, ways in plan:
-            result["errors"] += serve_ways(
+        servers = [
+            serve_ways(
                 args.release,
                 batching,
                 ways,
@@ -1593,8 +1632,11 @@ def main() -> None:
                 args,
                 Path(tmp),
                 keep,
+                result["errors"],
             )
-            save()
+            for batching, ways in plan
+        ]
+        run_servers(servers, args.interleave_servers, save)
 
     if args.peer is not None:
         result["peer"] = []

@@ -18,7 +18,8 @@
 #   CLIENT_PROCS: the replays' client processes (default 4: with one, its GIL added 15-26 ms
 #   to the client's p99 TTFT beyond the server's write, twenty-third round);
 #   serve256pinned: serve256 with the server on SERVER_CPUS (0-7), the clients on CLIENT_CPUS
-#   (8-15); ROUNDS256: the s256 replays' rounds (default 1);
+#   (8-15); ROUNDS256: the s256 replays' rounds (default 1), the servers' rounds in turn
+#   (bench_serve --interleave-servers: every server up at once) unless INTERLEAVE256='';
 #   parity (the s256 release against the fp32 eager model, mixed graphs included) is one more,
 #   and firstload (bench/profile_first_load.py: a process's first package load, step by step);
 #   each call first times its first CUDA context and keeps one idle process holding it (gpu.txt);
@@ -94,6 +95,7 @@ serve256() {  # stage name, its JSON's name, then more bench_serve arguments
   # fewer ways need less)
   local name=$1 json=$2; shift 2
   local need=250; [ ${#PEER[@]} -gt 0 ] && need=450; need=${NEED256:-$need}
+  [ -n "${INTERLEAVE256-1}" ] && set -- --interleave-servers "$@"
   stage "$name" "$need" python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-4000}" --concurrency 32 \
     --lone-requests "${LONE256:-1000}" \
     --client-procs "${CLIENT_PROCS:-4}" --rounds "${ROUNDS256:-1}" \

@@ -1,12 +1,13 @@
 """The serve benches end to end: ``bench/bench_serve.py`` on the demo's cpu release, with the
-flags a device round passes (client processes, the lone way's own count, a variant, rounds),
-and ``bench/bench_engine_host.py`` on its simulated device with serve's default flags. A
-bench path that breaks costs a device session (the twenty-eighth round's replay failed after
-its servers were ready), while here it costs seconds. Figures are not asserted, only that
-every way ran and answered."""
+flags a device round passes (client processes, the lone way's own count, a variant, rounds, the
+servers' rounds in turn), and ``bench/bench_engine_host.py`` on its simulated device with
+serve's default flags. A bench path that breaks costs a device session (the twenty-eighth
+round's replay failed after its servers were ready), while here it costs seconds. Figures are
+not asserted, only that every way ran and answered."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import subprocess
@@ -14,6 +15,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_serve import run_servers  # noqa: E402
 
 
 def _trace(path: Path, rows: int = 80) -> Path:
@@ -35,7 +39,8 @@ def test_the_serve_bench_runs_every_way_a_device_round_asks_for(installed, tmp_p
         [sys.executable, "bench/bench_serve.py", str(model_dir),
          "--trace", str(_trace(tmp_path / "trace.csv")), "--requests", "40",
          "--concurrency", "4", "--client-procs", "2", "--lone-requests", "6", "--rounds", "2",
-         "--ways", "lone,serve", "--variant", "front1=--http-workers 1", "--json", str(out)],
+         "--ways", "lone,serve", "--variant", "front1=--http-workers 1", "--json", str(out),
+         "--interleave-servers"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -49,6 +54,40 @@ def test_the_serve_bench_runs_every_way_a_device_round_asks_for(installed, tmp_p
         assert len(w["every_round"]) == 2 and w["output_tokens_per_s"] > 0
         assert all(r["host"]["python_s"] > 0 for r in w["every_round"])  # the host, timed
     assert ways["serve/2p"]["requests"] == ways["front1/2p"]["requests"] == 40
+    # both servers up at once, their rounds in turn: serve's first, front1's, serve's second...
+    started = sorted(
+        (r["started_s"], way) for way in ("serve/2p", "front1/2p") for r in ways[way]["every_round"]
+    )
+    assert [way for _, way in started] == ["serve/2p", "front1/2p"] * 2
+
+
+def test_servers_run_one_after_another_or_their_rounds_in_turn():
+    """``run_servers``: each server's rounds to the end, or, interleaved, every server
+    started, then each one's rounds in turn; a server that fails to start drops out."""
+
+    def server(name: str, rounds: int, log: list[str]):
+        log.append(f"{name} up")
+        yield
+        for r in range(rounds):
+            if r:
+                yield
+            log.append(f"{name}{r + 1}")
+
+    def failed(log: list[str]):
+        log.append("x failed")
+        return
+        yield
+
+    for interleave, want in (
+        (False, ["a up", "a1", "a2", "x failed", "b up", "b1", "b2"]),
+        (True, ["a up", "x failed", "b up", "a1", "b1", "a2", "b2"]),
+    ):
+        log: list[str] = []
+        saves: list[int] = []
+        gens = [server("a", 2, log), failed(log), server("b", 2, log)]
+        run_servers(gens, interleave, functools.partial(saves.append, 1))
+        assert log == want
+        assert saves  # the JSON is written as rounds end
 
 
 def test_the_simulated_device_bench_serves_with_serve_s_defaults(tmp_path):
