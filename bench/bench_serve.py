@@ -1068,18 +1068,22 @@ def run_servers(servers: list[Iterator[None]], interleave: bool, save: Callable[
     each, ..., so that a host that slows or speeds up within the run (the thirty-fourth
     round's host ran Python 1.6x slower 13 s later) weighs on every server alike, not on
     whichever ran last. Interleaved servers are resident together: each holds its release
-    and its KV caches on the device."""
-    if not interleave:
-        for server in servers:
-            for _ in server:
+    and its KV caches on the device. Whatever ends this early stops every server started."""
+    try:
+        if not interleave:
+            for server in servers:
+                for _ in server:
+                    save()
+            return
+        live = list(servers)
+        while live:
+            for server in list(live):
+                if next(server, StopIteration) is StopIteration:
+                    live.remove(server)
                 save()
-        return
-    live = list(servers)
-    while live:
-        for server in list(live):
-            if next(server, StopIteration) is StopIteration:
-                live.remove(server)
-            save()
+    finally:
+        for server in servers:  # a suspended one stops its server (serve_ways' finally)
+            server.close()
 
 
 def run_peer(

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -63,7 +65,8 @@ def test_the_serve_bench_runs_every_way_a_device_round_asks_for(installed, tmp_p
 
 def test_servers_run_one_after_another_or_their_rounds_in_turn():
     """``run_servers``: each server's rounds to the end, or, interleaved, every server
-    started, then each one's rounds in turn; a server that fails to start drops out."""
+    started, then each one's rounds in turn; a server that fails to start drops out, and
+    whatever ends the run stops every server started."""
 
     def server(name: str, rounds: int, log: list[str]):
         log.append(f"{name} up")
@@ -88,6 +91,24 @@ def test_servers_run_one_after_another_or_their_rounds_in_turn():
         run_servers(gens, interleave, functools.partial(saves.append, 1))
         assert log == want
         assert saves  # the JSON is written as rounds end
+
+    def stopping(name: str, log: list[str]):
+        try:
+            yield from server(name, 2, log)
+        finally:
+            log.append(f"{name} stopped")
+
+    log = []
+    saved = iter(range(10))
+
+    def save() -> None:
+        if next(saved) == 1:  # both servers up: the run ends here
+            raise KeyboardInterrupt
+
+    gens = [stopping("a", log), stopping("b", log)]  # held: no garbage collection closes them
+    with pytest.raises(KeyboardInterrupt):
+        run_servers(gens, True, save)
+    assert log == ["a up", "b up", "a stopped", "b stopped"]
 
 
 def test_the_simulated_device_bench_serves_with_serve_s_defaults(tmp_path):
