@@ -196,7 +196,7 @@ grep -H -E "not built|attends the whole bucket|prefills one prompt per call" \
 # and the compiled packages' sizes: whether a session could carry the graphs to the next one
 # and compile only the weights (the s256 compile is 280-460 s of a session's 1,800; $OUT
 # brings back 8 files of 16 MiB at most, a carry is 64 MiB with the tree)
-find work/bench-cuda -name '*.pt2' -printf '%s %p\n' 2>/dev/null | sort -k2 \
+find work/bench-cuda/compile -path '*/buckets/*' -name '*.pt2' -printf '%s %p\n' 2>/dev/null | sort -k2 \
   | awk '{print; t += $1} END {if (NR) printf "%d packages, %.1f MiB\n", NR, t / 2^20}' \
   >>"$OUT/compile-notes.txt"
 ls "$R"
