@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline._environ import environ_set
 from pipeline.contracts.graph_abi import (
     DECODE_FILE,
     MIXED_FILE,
@@ -60,7 +61,9 @@ def load_graph(
 
     device = torch.device(device or spec.device)
     _quiet_isa_notice()
-    with _no_isa_probe(), _extracting_into(_extraction_dir()):
+    # torch's loader extracts under TMPDIR: this process's folder, for the load (under
+    # _no_isa_probe's _LOADING: the environment is the process's)
+    with _no_isa_probe(), environ_set("TMPDIR", str(_extraction_dir())):
         model = aoti_load_package(
             str(path),
             run_single_threaded=single_threaded,
@@ -148,23 +151,8 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's
-        return True
+        pass
     return True
-
-
-@contextlib.contextmanager
-def _extracting_into(folder: Path) -> Iterator[None]:
-    """TMPDIR, which torch's loader extracts under, is ``folder`` for the load (under
-    ``_LOADING``, held by ``_no_isa_probe``)."""
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(folder)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["TMPDIR"]
-        else:
-            os.environ["TMPDIR"] = before
 
 
 @contextlib.contextmanager

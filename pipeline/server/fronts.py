@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipeline._cpus import usable_cpus
+from pipeline._environ import environ_set
 from pipeline._procs import how_it_ended, killed_with_parent
 
 JOIN_S = 10.0  # after front 0 failed, how long the others may take to end
@@ -64,17 +65,15 @@ def shared_metrics() -> Iterator[str]:
     from prometheus_client import values
 
     folder = tempfile.mkdtemp(prefix="inf2-serve-metrics-")
-    before, was = os.environ.get(METRICS_DIR), values.ValueClass
-    os.environ[METRICS_DIR] = folder
-    values.ValueClass = values.get_value_class()
+    was = values.ValueClass
     try:
-        yield folder
+        with environ_set(METRICS_DIR, folder):
+            values.ValueClass = values.get_value_class()
+            try:
+                yield folder
+            finally:
+                values.ValueClass = was
     finally:
-        values.ValueClass = was
-        if before is None:
-            os.environ.pop(METRICS_DIR, None)
-        else:
-            os.environ[METRICS_DIR] = before
         shutil.rmtree(folder, ignore_errors=True)
 
 
