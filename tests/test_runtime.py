@@ -306,16 +306,17 @@ def test_a_process_that_dies_leaves_its_extracted_packages_to_the_next_load(inst
         "print(os.getpid(), flush=True); os._exit(0)"
     )
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    pid = subprocess.run(
-        [sys.executable, "-c", load, str(model_dir)],
-        env=env, capture_output=True, text=True, check=True,
-    ).stdout.split()[-1]  # fmt: skip
+
+    def pid_of_a_load() -> str:
+        cmd = [sys.executable, "-c", load, str(model_dir)]
+        return subprocess.run(
+            cmd, env=env, capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+
+    pid = pid_of_a_load()
     (left,) = tmp_path.glob(f"{graph_loading.EXTRACT_PREFIX}*-{pid}")
     assert any(left.iterdir())  # what the dead process had extracted, still there
     assert not list(tmp_path.glob("aotinductor_*"))  # nothing outside its folder
-    again = subprocess.run(
-        [sys.executable, "-c", load, str(model_dir)],
-        env=env, capture_output=True, text=True, check=True,
-    ).stdout.split()[-1]  # fmt: skip
+    again = pid_of_a_load()
     assert not left.exists()  # swept by the next process's first load
     assert [p.name.rsplit("-", 1)[1] for p in tmp_path.iterdir()] == [again]
