@@ -128,6 +128,9 @@ def test_serving_pod_serves_with_the_cli_and_probes():
     (server,) = pod["spec"]["containers"]
     assert server["livenessProbe"]["httpGet"]["path"] == "/health"
     assert server["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # it keeps answering while the endpoints drop it, within the grace period
+    sleep = server["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep[0] == "sleep" and int(sleep[1]) < pod["spec"]["terminationGracePeriodSeconds"]
     # the API key comes from a secret, under the variable serve reads
     (key,) = [e for e in server["env"] if e["name"] == "INF2_SERVE_API_KEY"]
     assert key["valueFrom"]["secretKeyRef"]["name"] == "inf2-serve-api-key"
