@@ -30,6 +30,8 @@
 #   (finished buckets are reused, the others start again): on an H100 host (2026-12-05) the
 #   six buckets of both releases had not all compiled in one call (b8_s256, b32_s256 and
 #   b32_s2048 still running at 530 s), so with little device time left, LONG_BATCHES='' first
+#   PACK_GRAPHS=1 brings the compiled graphs back (bench/carry_graphs.py, pieces in $OUT);
+#   copied into .devrun/graphs/, the next session's compile only prepares the weights.
 unset CXX  # the device image's wrapper breaks AOTInductor packages
 T0=$(date +%s); BUDGET=${BUDGET:-575}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -76,6 +78,11 @@ run() {
   # the serve figures first, each stage in a call as the budget allows: compile (~460 s),
   # then STAGES in order (default: serve2048, serve256 (its peer last: a cut-short stage
   # keeps what its JSON already has), decode, sampler)
+  # graphs a session brought back (PACK_GRAPHS below) make the compile weights-only
+  if [ -z "${SKIP_COMPILE:-}" ] && [ ! -e "$R/compile.done" ] && [ -e .devrun/graphs/graphs.tar.xz.00 ]; then
+    python3 bench/carry_graphs.py unpack .devrun/graphs work/bench-cuda/store \
+      || echo "== carried graphs not unpacked: compiling them"
+  fi
   [ -n "${SKIP_COMPILE:-}" ] || stage compile 120 python3 bench/bench_cuda_decode.py --skip-hf --skip-parity \
     --long-batches "${LONG_BATCHES-1,8,32}" --compile-only --out "$R/compile.json" || return
   for s in ${STAGES:-serve2048 serve256 decode sampler}; do "stage_$s" || return; done
@@ -199,4 +206,13 @@ grep -H -E "not built|attends the whole bucket|prefills one prompt per call" \
 find work/bench-cuda/compile -path '*/buckets/*' -name '*.pt2' -printf '%s %p\n' 2>/dev/null | sort -k2 \
   | awk '{print; t += $1} END {if (NR) printf "%d packages, %.1f MiB\n", NR, t / 2^20}' \
   >>"$OUT/compile-notes.txt"
+# PACK_GRAPHS=1: the compiled graphs themselves, in pieces of 15 MiB (the s256 release's
+# 56.8 MiB of packages, xz-compressed), for the next session: copy the pieces into
+# .devrun/graphs/ and carry .devrun/whl, .devrun/graphs and peers (.devrun whole is 46 MB
+# with nginx and s5cmd: with the graphs, over the 64 MiB a call carries; the pull stages
+# need it whole). There the compile finds every bucket's graphs in its cache and only
+# prepares the weights. $OUT brings back 8 files in all: the fewer stages, the more room.
+if [ -n "${PACK_GRAPHS:-}" ] && [ -e "$R/compile.done" ]; then
+  python3 bench/carry_graphs.py pack work/bench-cuda/store/*/ --out "$OUT" --max-mib 15
+fi
 ls "$R"
