@@ -134,12 +134,16 @@ def _unpack_member(
         return
     if hashlib.sha256(data).hexdigest() != key.rsplit("/", 1)[1]:
         raise InputError(member.name, "does not match its digest", "pack again")
-    store = LocalStore(root / store_name)
+    _put_new(LocalStore(root / store_name), key, data, "blobs", counts)
+
+
+def _put_new(store: LocalStore, key: str, data: bytes, kind: str, counts: dict[str, int]) -> None:
+    """Write ``key`` unless it is there (a blob is its digest, an entry its key's)."""
     if store.exists(key):
         counts["already_there"] += 1
     else:
         store.put_bytes(key, data)
-        counts["blobs"] += 1
+        counts[kind] += 1
 
 
 def unpack(folder: Path, root: Path) -> dict[str, int]:
@@ -156,12 +160,7 @@ def unpack(folder: Path, root: Path) -> dict[str, int]:
     except (lzma.LZMAError, tarfile.TarError, EOFError) as e:
         raise InputError(str(folder), f"damaged or incomplete pieces ({e})", "pack again") from None
     for store_name, key, data in entries:  # last: an entry names blobs already in place
-        store = LocalStore(root / store_name)
-        if store.exists(key):
-            counts["already_there"] += 1
-        else:
-            store.put_bytes(key, data)
-            counts["entries"] += 1
+        _put_new(LocalStore(root / store_name), key, data, "entries", counts)
     return counts
 
 
