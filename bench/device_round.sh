@@ -29,7 +29,7 @@
 #   STAGES=pull SKIP_COMPILE=1 runs it alone). A compile cut short goes on at the next call
 #   (finished buckets are reused, the others start again): on an H100 host (2026-12-05) the
 #   six buckets of both releases had not all compiled in one call (b8_s256, b32_s256 and
-#   b32_s2048 still running at 530 s), so with little device time left, LONG_BATCHES='' first
+#   b32_s2048 still running at 530 s), so with little device time left, LONG_BATCHES='' first.
 #   PACK_GRAPHS=1 brings the compiled graphs back (bench/carry_graphs.py, pieces in $OUT);
 #   copied into .devrun/graphs/, the next session's compile only prepares the weights.
 unset CXX  # the device image's wrapper breaks AOTInductor packages
