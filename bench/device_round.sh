@@ -30,6 +30,10 @@
 #   (finished buckets are reused, the others start again): on an H100 host (2026-12-05) the
 #   six buckets of both releases had not all compiled in one call (b8_s256, b32_s256 and
 #   b32_s2048 still running at 530 s), so with little device time left, LONG_BATCHES='' first.
+#   SKIP_ALONE=1: the replays without each prompt's answer alone first (bench_serve
+#   --skip-alone: the s256 replay's 52,626 answer tokens one request at a time are about a
+#   minute at the b1 step's 1.1 ms, by arithmetic; in bf16 about half of the answers differ
+#   from it anyway, near ties under other batch shapes, so on a device it only counts them).
 #   PACK_GRAPHS=1 brings the compiled graphs back (bench/carry_graphs.py, pieces in $OUT);
 #   copied into .devrun/graphs/, the next session's compile only prepares the weights.
 unset CXX  # the device image's wrapper breaks AOTInductor packages
@@ -92,7 +96,7 @@ stage_serve2048() {
   # NEED2048 overrides the seconds it needs (fewer ways need less)
   stage serve2048 "${NEED2048:-300}" python3 bench/bench_serve.py "$L" --requests 200 --concurrency 32,64 \
     --client-procs "${CLIENT_PROCS:-4}" \
-    --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch "${more2048[@]}" \
+    --ways "${WAYS2048:-lone,serve,thread}" --tolerate-mismatch ${SKIP_ALONE:+--skip-alone} "${more2048[@]}" \
     --json "$R/serve-s2048.json"
 }
 serve256() {  # stage name, its JSON's name, then more bench_serve arguments
@@ -106,7 +110,8 @@ serve256() {  # stage name, its JSON's name, then more bench_serve arguments
   stage "$name" "$need" python3 bench/bench_serve.py "$D" --requests "${REQUESTS256:-4000}" --concurrency 32 \
     --lone-requests "${LONE256:-1000}" \
     --client-procs "${CLIENT_PROCS:-4}" --rounds "${ROUNDS256:-1}" \
-    --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch "${more256[@]}" "${PEER[@]}" \
+    --ways "${WAYS256:-lone,serve,thread,static}" --tolerate-mismatch ${SKIP_ALONE:+--skip-alone} \
+    "${more256[@]}" "${PEER[@]}" \
     "$@" --json "$R/$json.json"
 }
 stage_serve256() { serve256 serve256 serve-s256; }

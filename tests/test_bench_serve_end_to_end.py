@@ -63,6 +63,29 @@ def test_the_serve_bench_runs_every_way_a_device_round_asks_for(installed, tmp_p
     assert [way for _, way in started] == ["serve/2p", "front1/2p"] * 2
 
 
+def test_the_serve_bench_can_skip_the_answers_alone(installed, tmp_path):
+    """--skip-alone (a device call short of time): no prompt is generated alone, so nothing
+    is compared, the ceiling counts every max_tokens, and the run says so."""
+    _, model_dir = installed
+    out = tmp_path / "serve.json"
+    run = subprocess.run(
+        [sys.executable, "bench/bench_serve.py", str(model_dir),
+         "--trace", str(_trace(tmp_path / "trace.csv")), "--requests", "12",
+         "--concurrency", "4", "--ways", "serve", "--skip-alone", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "answers alone in" not in run.stderr + run.stdout  # none was generated
+    assert "not compared with the prompt alone" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["answers_compared_with_alone"] is False and result["errors"] == []
+    work = result["workload"]
+    assert work["output_tokens"] == work["asked_output_tokens"]
+    assert work["output_tokens_are"] == "max_tokens (--skip-alone)"
+    (way,) = result["ways"]
+    assert way["requests"] == 12 and way["failed_requests"] == 0
+
+
 def test_servers_run_one_after_another_or_their_rounds_in_turn():
     """``run_servers``: each server's rounds to the end, or, interleaved, every server
     started, then each one's rounds in turn; a server that fails to start drops out, and
