@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.contracts.store_layout import CACHE_PREFIX, blob_key, cache_key  # noqa: E402
 from pipeline.errors import InputError  # noqa: E402
-from pipeline.store.cache import CacheEntry  # noqa: E402
+from pipeline.store.cache import CacheEntry, read_cache_entry  # noqa: E402
 from pipeline.store.local import LocalStore  # noqa: E402
 
 PIECES = "graphs.tar.xz."
@@ -47,8 +47,8 @@ _MEMBER = re.compile(r"^([A-Za-z0-9._-]+)/(blobs/sha256/[0-9a-f]{64}|cache/[0-9a
 
 def graph_entries(store: LocalStore) -> Iterator[CacheEntry]:
     for key in sorted(store.list(CACHE_PREFIX)):
-        entry = CacheEntry.model_validate_json(store.get_bytes(key))
-        if entry.kind == "graphs":
+        entry = read_cache_entry(store, Path(key).stem)
+        if entry is not None and entry.kind == "graphs":
             yield entry
 
 
@@ -91,30 +91,6 @@ def pack(stores: list[Path], out: Path, max_bytes: int) -> dict[str, int]:
     return counts
 
 
-class _Pieces(io.RawIOBase):
-    """The pieces read back as one stream."""
-
-    def __init__(self, paths: list[Path]) -> None:
-        self._files = iter(paths)
-        self._current = None
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buf) -> int:  # type: ignore[no-untyped-def]
-        while True:
-            if self._current is None:
-                path = next(self._files, None)
-                if path is None:
-                    return 0
-                self._current = path.open("rb")
-            n = self._current.readinto(buf)
-            if n:
-                return n
-            self._current.close()
-            self._current = None
-
-
 def _unpack_member(
     tar: tarfile.TarFile,
     member: tarfile.TarInfo,
@@ -154,7 +130,8 @@ def unpack(folder: Path, root: Path) -> dict[str, int]:
     counts = {"entries": 0, "blobs": 0, "already_there": 0}
     entries: list[tuple[str, str, bytes]] = []
     try:
-        with tarfile.open(fileobj=io.BufferedReader(_Pieces(paths)), mode="r|xz") as tar:
+        whole = io.BytesIO(b"".join(p.read_bytes() for p in paths))  # as pack holds it
+        with tarfile.open(fileobj=whole, mode="r|xz") as tar:
             for member in tar:
                 _unpack_member(tar, member, root, entries, counts)
     except (lzma.LZMAError, tarfile.TarError, EOFError) as e:

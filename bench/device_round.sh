@@ -206,7 +206,7 @@ grep -H -E "prefill calls of|packages and weights|^ready:|error" "$R"/*.serve-*.
 grep -H -E "not built|attends the whole bucket|prefills one prompt per call" \
   work/bench-cuda/compile/*/logs/*.log >"$OUT/compile-notes.txt" 2>/dev/null
 # and the compiled packages' sizes: whether a session could carry the graphs to the next one
-# and compile only the weights (the s256 compile is 280-460 s of a session's 1,800; $OUT
+# and compile only the weights (the s256 compile is 283-509 s of a session's 1,800; $OUT
 # brings back 8 files of 16 MiB at most, a carry is 64 MiB with the tree)
 find work/bench-cuda/compile -path '*/buckets/*' -name '*.pt2' -printf '%s %p\n' 2>/dev/null | sort -k2 \
   | awk '{print; t += $1} END {if (NR) printf "%d packages, %.1f MiB\n", NR, t / 2^20}' \

@@ -69,11 +69,9 @@ def shared_metrics() -> Iterator[str]:
     try:
         with environ_set(METRICS_DIR, folder):
             values.ValueClass = values.get_value_class()
-            try:
-                yield folder
-            finally:
-                values.ValueClass = was
+            yield folder
     finally:
+        values.ValueClass = was
         shutil.rmtree(folder, ignore_errors=True)
 
 
