@@ -1149,6 +1149,7 @@ COLUMNS = (  # (heading, width); the first is left-aligned
     ("TTFT50", 7),
     ("TTFT99", 7),
     ("99/lone", 7),
+    ("99/l99", 6),
     ("TTFT99+", 7),
     ("ITL50", 6),
     ("ITL99", 6),
@@ -1211,7 +1212,9 @@ def print_table(result: dict[str, Any]) -> None:
             )
     ways = result["ways"]
     static = {r["concurrency"]: r["output_tokens_per_s"] for r in ways if r["batching"] == "static"}
-    lone = next((r["ttft_p50_s"] for r in ways if r["way"] == "lone"), None)
+    lone_way = next((r for r in ways if r["way"] == "lone"), None)
+    lone = lone_way["ttft_p50_s"] if lone_way else None
+    lone99 = lone_way["ttft_p99_s"] if lone_way else None
     labels = {
         "lone": "lone request (serve)",
         "serve": "serve",
@@ -1236,6 +1239,7 @@ def print_table(result: dict[str, Any]) -> None:
                     _ms(r["ttft_p50_s"]),
                     _ms(r["ttft_p99_s"]),
                     _x(r["ttft_p99_s"], lone),
+                    _x(r["ttft_p99_s"], lone99),
                     _ms(r.get("ttft_p99_after_burst_s")),
                     _ms(r["itl_p50_s"]),
                     _ms(r["itl_p99_s"]),
@@ -1328,11 +1332,30 @@ def print_table(result: dict[str, Any]) -> None:
             )
     print(
         "\nTTFT (time to first token) and ITL (inter-token latency) in ms, at the client; "
-        "99/lone: p99 TTFT ÷ the lone request's TTFT p50; TTFT99+: p99 of the requests after "
+        "99/lone, 99/l99: p99 TTFT ÷ the lone request's TTFT p50, p99; TTFT99+: p99 of the "
+        "requests after "
         "each client's first (the opening burst, all at once);\noccup: decode rows in use ÷ rows "
         "stepped; prefill: prompt tokens ÷ prefill positions; differ: answers unlike the "
         "prompt alone"
     )
+    print_round_ratios(ways, labels)
+
+
+def print_round_ratios(ways: list[dict[str, Any]], labels: dict[str, str]) -> None:
+    """With --rounds, each round's p99 TTFT ÷ the lone request's p99 in that round: the
+    headline row is the fastest round only, and a p99 goal holds or not round by round."""
+    lone = next((r for r in ways if r["way"] == "lone"), None)
+    base = [x.get("ttft_p99_s") for x in (lone or {}).get("every_round", [])]
+    if len(base) < 2:
+        return
+    print("\np99 TTFT ÷ the lone request's p99 in the same round, round by round:")
+    for r in ways:
+        if r is lone:
+            continue
+        rounds = zip(r.get("every_round", []), base, strict=False)  # a way cut short: fewer
+        cells = [_x(x.get("ttft_p99_s"), b) for x, b in rounds]
+        name = labels.get(r["way"], r["way"])
+        print(f"  {name:<24} {r['concurrency']:>4}  " + " ".join(cells))
 
 
 # --- the run -------------------------------------------------------------------------------------

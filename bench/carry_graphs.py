@@ -4,8 +4,9 @@ compiles nothing and only prepares the weights.
 A lent GPU machine starts bare, and the s256 release's compile took 283-509 s of a
 session's 1,800 device seconds (bench/RESULTS.md, thirtieth to thirty-fifth rounds): in the
 thirty-fifth it left no time for the replay it was for. Its graphs are 14 packages, 56.8
-MiB. The compile cache already keys them by everything that reaches them (torch,
-transformers, the compiler, the GPU's compute capability: ``pipeline/compile/keys.py``), so
+MiB, which pack into 2.5 MB (thirty-sixth round). The compile cache already keys them by
+everything that reaches them (torch, transformers, the compiler, the GPU's compute
+capability: ``pipeline/compile/keys.py``), so
 graphs carried to the same image are hits, and graphs carried elsewhere are simply misses.
 
     python bench/carry_graphs.py pack STORE [STORE ...] --out DIR [--max-mib 15]

@@ -211,12 +211,12 @@ grep -H -E "not built|attends the whole bucket|prefills one prompt per call" \
 find work/bench-cuda/compile -path '*/buckets/*' -name '*.pt2' -printf '%s %p\n' 2>/dev/null | sort -k2 \
   | awk '{print; t += $1} END {if (NR) printf "%d packages, %.1f MiB\n", NR, t / 2^20}' \
   >>"$OUT/compile-notes.txt"
-# PACK_GRAPHS=1: the compiled graphs themselves, in pieces of 15 MiB (the s256 release's
-# 56.8 MiB of packages, xz-compressed), for the next session: copy the pieces into
-# .devrun/graphs/ and carry .devrun/whl, .devrun/graphs and peers (.devrun whole is 46 MB
-# with nginx and s5cmd: with the graphs, over the 64 MiB a call carries; the pull stages
-# need it whole). There the compile finds every bucket's graphs in its cache and only
-# prepares the weights. $OUT brings back 8 files in all: the fewer stages, the more room.
+# PACK_GRAPHS=1: the compiled graphs themselves, in pieces of 15 MiB, for the next session:
+# copy the pieces into .devrun/graphs/ and carry .devrun whole (the s256 release's 56.7 MiB
+# of packages and their cache entries packed into one piece of 2.5 MB on 2026-12-08, so
+# .devrun with nginx and s5cmd stays under the 64 MiB a call carries). There the compile
+# finds every bucket's graphs in its cache and only prepares the weights. $OUT brings back
+# 8 files in all: the fewer stages, the more room.
 if [ -n "${PACK_GRAPHS:-}" ] && [ -e "$R/compile.done" ]; then
   python3 bench/carry_graphs.py pack work/bench-cuda/store/*/ --out "$OUT" --max-mib 15
 fi

@@ -100,3 +100,17 @@ def test_the_start_up_is_read_by_phase_from_the_servers_gauge():
     text = _scrape(m.registry)
     assert bench_serve.startup_seconds(text) == {"load": 12.25, "warm": 40.5, "total": 61.0}
     assert bench_serve.startup_seconds(_scrape(_histogram()[0])) == {}
+
+
+def test_each_round_s_p99_is_divided_by_the_lone_request_s_p99_of_that_round(capsys):
+    def way(name: str, p99s: list[float]) -> dict:
+        return {"way": name, "concurrency": 32, "every_round": [{"ttft_p99_s": x} for x in p99s]}
+
+    ways = [way("lone", [0.004, 0.005]), way("serve/4p", [0.010, 0.016])]
+    bench_serve.print_round_ratios(ways, {"lone": "lone request (serve)"})
+    out = capsys.readouterr().out
+    rows = out.splitlines()[2:]
+    assert len(rows) == 1 and "serve/4p" in rows[0] and rows[0].endswith("2.50× 3.20×")
+    # one round: the table's own columns already say it
+    bench_serve.print_round_ratios([way("lone", [0.004]), way("serve/4p", [0.01])], {})
+    assert capsys.readouterr().out == ""
