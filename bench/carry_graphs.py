@@ -6,8 +6,8 @@ session's 1,800 device seconds (bench/RESULTS.md, thirtieth to thirty-fifth roun
 thirty-fifth it left no time for the replay it was for. Its graphs are 14 packages, 56.8
 MiB, which pack into 2.5 MB (thirty-sixth round). The compile cache already keys them by
 everything that reaches them (torch, transformers, the compiler, the GPU's compute
-capability: ``pipeline/compile/keys.py``), so
-graphs carried to the same image are hits, and graphs carried elsewhere are simply misses.
+capability: ``pipeline/compile/keys.py``), so graphs carried to the same image are hits,
+and graphs carried elsewhere are simply misses.
 
     python bench/carry_graphs.py pack STORE [STORE ...] --out DIR [--max-mib 15]
     python bench/carry_graphs.py unpack DIR ROOT
