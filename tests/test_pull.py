@@ -309,6 +309,40 @@ def test_a_pull_from_s3_starts_without_boto3(s3_store_url, tmp_path):
     assert (tmp_path / "dest" / "m" / "v1" / "manifest.json").is_file()
 
 
+def test_the_cli_pull_freezes_its_start_and_collects_during_the_pull(tmp_path):
+    """Run as the init container runs it (``main``), the pull's start is left out of later
+    collections (frozen) and the collector runs again for the download; under a CliRunner
+    (a test, a program calling the commands) the collector is left as it was."""
+    from pipeline.store.local import LocalStore
+
+    make_release(LocalStore(tmp_path / "store"), tmp_path)
+    code = (
+        "import gc, sys\n"
+        "import pipeline.install.pull as p\n"
+        "real, seen = p.pull_release, []\n"
+        "def spy(*a, **k):\n"
+        "    seen.append((gc.isenabled(), gc.get_freeze_count() > 0))\n"
+        "    return real(*a, **k)\n"
+        "p.pull_release = spy\n"
+        "from pipeline.cli import app, main\n"
+        "from typer.testing import CliRunner\n"
+        "args = ['pull', 'm', '--version', 'v1', '--store', sys.argv[1], '--dest']\n"
+        "r = CliRunner().invoke(app, [*args, sys.argv[2] + '/a'])\n"
+        "assert r.exit_code == 0 and seen == [(True, False)], (r.output, seen)\n"
+        "sys.argv = ['inf2-pipeline', *args, sys.argv[2] + '/b']\n"
+        "main()\n"
+        "assert seen[1:] == [(True, True)], seen\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "store"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "b" / "m" / "v1" / "manifest.json").is_file()
+
+
 @pytest.mark.parametrize(
     ("paths", "why"),
     [

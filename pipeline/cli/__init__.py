@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from pipeline import __version__
-from pipeline.cli import buckets, config, gqa, model, parity, pull, run, serve
+from pipeline.cli import _common, buckets, config, gqa, model, parity, pull, run, serve
 from pipeline.cli import compile as compile_cli
 from pipeline.cli import store as store_cli
 from pipeline.cli._common import new_app
@@ -51,4 +51,5 @@ model.register(app, "Demo and test")
 
 
 def main() -> None:
+    _common.OWNS_PROCESS = True  # the process ends with the command (_common.startup_heap)
     app()

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import typer
 
 from pipeline._files import path_error, within
-from pipeline.cli._common import JsonOpt, StoreOpt, TrustOpt, human_bytes, print_json
+from pipeline.cli._common import JsonOpt, StoreOpt, TrustOpt, human_bytes, print_json, startup_heap
 from pipeline.errors import InputError, PipelineError
 
 Verify = Literal["parts", "full"]
@@ -72,12 +72,13 @@ def pull(
 ) -> None:
     """Download a release (files and ranges in parallel, every part sha256-verified as it
     lands) and install it atomically."""
-    from pipeline.install.pull import pull_release
-    from pipeline.store import open_store
-    from pipeline.store.signing import load_trust
+    with startup_heap():  # imports and the store's client: kept to the end
+        from pipeline.install.pull import pull_release
+        from pipeline.store import open_store
+        from pipeline.store.signing import load_trust
 
-    keys = load_trust(trust)
-    source = open_store(store)
+        keys = load_trust(trust)
+        source = open_store(store)
     size = parse_size(part_size, "--part-size")
     try:
         result = pull_release(
