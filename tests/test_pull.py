@@ -343,6 +343,22 @@ def test_the_cli_pull_freezes_its_start_and_collects_during_the_pull(tmp_path):
     assert (tmp_path / "b" / "m" / "v1" / "manifest.json").is_file()
 
 
+def test_the_cli_pull_parses_as_the_whole_app_does(tmp_path):
+    """``main`` builds the pull's parser alone: its help and its usage errors are the whole
+    app's."""
+    code = "import sys\nfrom pipeline.cli import main\nsys.argv[0] = 'inf2-pipeline'\nmain()\n"
+    for args in (["pull", "--help"], ["pull", "m", "--dest", "d", "--concurrency", "0"]):
+        out = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "COLUMNS": "100"},
+            cwd=Path(__file__).parent.parent,
+        )
+        r = CliRunner().invoke(app, args, prog_name="inf2-pipeline", env={"COLUMNS": "100"})
+        assert (out.returncode, out.stdout, out.stderr) == (r.exit_code, r.stdout, r.stderr)
+
+
 @pytest.mark.parametrize(
     ("paths", "why"),
     [
