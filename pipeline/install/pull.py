@@ -199,8 +199,12 @@ def _pull_into(
     )  # fmt: skip
     total = result.reused_bytes
     # Resume: files a killed pull finished are kept if they still verify (checked in parallel).
-    with ThreadPoolExecutor(concurrency) as checks:
-        kept = list(checks.map(lambda f: _verified(staging / f[0], f[1]), files))
+    # A fresh staging directory holds none: a stat each says so without starting --concurrency
+    # threads (~5 ms before the first GET).
+    kept = [False] * len(files)
+    if not all(_absent(staging / rel) for rel, _ in files):
+        with ThreadPoolExecutor(concurrency) as checks:
+            kept = list(checks.map(lambda f: _verified(staging / f[0], f[1]), files))
     # The same bytes under several paths (each bucket's weights.safetensors) download once.
     have: dict[str, Path] = {}
     fetching: set[str] = set()
@@ -247,6 +251,16 @@ def _pull_into(
         refetched_parts=fetcher.refetched_parts,
         refetched_files=fetcher.refetched_files,
     )
+
+
+def _absent(path: Path) -> bool:
+    """Nothing at ``path`` (``_verified`` would say False without reading); other errors
+    are raised as ``_verified`` raises them."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        return True
+    return False
 
 
 def _verified(path: Path, ref: FileRef) -> bool:
