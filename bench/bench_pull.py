@@ -44,7 +44,9 @@ Each pull variant also gets one run with every call that releases the GIL timed 
 threads wait) and, as a diagnostic only, two with its sha256 skipped (what hashing costs).
 The pull with its defaults also runs through the CLI (``cli pull``: the init container's
 command, the CLI's imports included, which the script of the other pull rows does not
-import; ``--skip cli`` leaves it out). Also measured: the host's memory copy bandwidth by
+import; ``--skip cli`` leaves it out). Each pull's last run prints its phases
+(``PullResult.phases``, docs/pull.md "Output") and splits its landing into a steady rate
+(between the half and 90 % marks) and what the head and the tail took beyond it. Also measured: the host's memory copy bandwidth by
 threads (a landed byte crosses memory several times), nearest-bucket selection per call,
 and the CLI's start time for ``pull --help`` (the init container's cold path).
 
@@ -772,12 +774,14 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         def cli_pull() -> None:  # the init container's command, its interpreter's start included
             code = "import sys; from pipeline.cli import main; sys.argv[0] = 'inf2-pipeline'; "
             code += "main()"
-            subprocess.run(
+            out = subprocess.run(
                 [sys.executable, "-c", code, "pull", "bench", "--version", "v1", "--store",
-                 f"s3://{BUCKET}/store?addressing_style=path", "--dest", str(root / "pulled-cli")],
-                check=True, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                 f"s3://{BUCKET}/store?addressing_style=path", "--dest", str(root / "pulled-cli"),
+                 "--json"],
+                check=True, env={**os.environ, **env}, stdout=subprocess.PIPE,
                 cwd=Path(__file__).resolve().parent.parent,
             )  # fmt: skip
+            pulls_by_cli.append(json.loads(out.stdout))  # its phases
 
         def s5cmd_sha256() -> None:
             s5cmd()
@@ -788,6 +792,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
             assert out[::2] == [r.sha256 for r in refs], "s5cmd fetched wrong bytes"
 
         pulls: dict[str, list[dict]] = {}
+        pulls_by_cli: list[dict] = []
 
         def pull(label: str, gets: str, concurrency: int, mode: str = "-") -> dict:
             # mode: "-" the pull as it is; "stages" timing calls; "unverified" no digests
@@ -886,6 +891,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         if CLI_ROW in rows:  # the wall clock the issue asks about: process start included
             shape["cli_vs_s5cmd"] = rows["s5cmd (no verification)"] / rows[CLI_ROW]
             print(f"{CLI_ROW}: {shape['cli_vs_s5cmd']:.2f}× s5cmd", flush=True)
+            shape["cli_last_run"] = _phases_line(CLI_ROW, pulls_by_cli[-1])
         for label, runs in pulls.items():
             last, pull_s = runs[-1], rows[label]
             bound = 2 * last["concurrency"] * last["part_size"] + (200 << 20)
@@ -903,6 +909,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                     k: last.get(k) for k in ("import_s", "store_s", "seconds", "stages", "calls")
                 },
             }
+            shape["pulls"][label]["last_run"].update(_phases_line(label, last))
             for key, name in (("vs_boto3", "boto3 download_file (defaults)"),
                               ("vs_curl", "curl → /dev/null (raw loopback)")):  # fmt: skip
                 if name in rows:
@@ -1136,6 +1143,41 @@ def other_figures(results: dict) -> None:
         f"`inf2-pipeline pull --help`: {min(starts) * 1e3:.0f} ms "
         f"(bare python start: {min(py) * 1e3:.0f} ms)"
     )
+
+
+def landing_split(phases: dict[str, float], fetched: int) -> dict[str, float] | None:
+    """From a pull's phase stamps (``PullResult.phases``): the landing's steady rate, between
+    its half and 90 % marks, and what its head (from the fetch's start to the half mark) and
+    its tail (after the 90 % mark) took beyond that rate. None without the marks. The marks
+    count a range when it has landed whole, so they lag the bytes by about half of those in
+    flight: the head's figure includes that lag and the tail's is short of it by as much;
+    their sum is what the ramp and the tail cost together."""
+    keys = ("fetch_started", "half_landed", "ninety_landed", "landed")
+    if not all(k in phases for k in keys) or phases["ninety_landed"] <= phases["half_landed"]:
+        return None
+    started, half, ninety, landed = (phases[k] for k in keys)
+    rate = 0.4 * fetched / (ninety - half)
+    return {
+        "steady_gb_per_s": rate / 1e9,
+        "head_s": half - started - 0.5 * fetched / rate,
+        "tail_s": landed - ninety - 0.1 * fetched / rate,
+    }
+
+
+def _phases_line(label: str, result: dict) -> dict:
+    """Print a pull's phases (its last run) and its landing's split; both, for the JSON."""
+    phases = result.get("phases") or {}
+    split = landing_split(phases, result["downloaded_bytes"])
+    if phases:
+        line = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in phases.items())
+        if split is not None:
+            lost = split["head_s"] + split["tail_s"]
+            line += (
+                f" s; steady {split['steady_gb_per_s']:.2f} GB/s; beyond it the head and tail "
+                f"took {lost:+.3f} s ({split['head_s']:+.3f}, {split['tail_s']:+.3f})"
+            )
+        print(f"{label}: phases (last run, from pull_release's start) {line}", flush=True)
+    return {"phases": phases, "landing_split": split}
 
 
 def _run(fn, cleanup: Path | None) -> tuple[float, float]:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -20,9 +21,10 @@ from typer.testing import CliRunner
 from pipeline.cli import app
 from pipeline.contracts.store_layout import blob_key, release_key
 from pipeline.errors import InputError, IntegrityError, NotFoundError, StoreError
+from pipeline.install import pull as pull_module
 from pipeline.install.installed import find_release
 from pipeline.install.landing import with_retries
-from pipeline.install.pull import pull_release
+from pipeline.install.pull import PHASES, pull_release
 from pipeline.store import open_store
 from tests.release_factory import make_release, point_channel
 
@@ -270,6 +272,32 @@ def test_pull_cli_json(store, tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["version"] == "v1" and data["downloaded_bytes"] > 0 and data["files"] == 5
+    assert list(data["phases"]) == list(PHASES)
+
+
+def test_a_pull_stamps_its_phases_in_order(store, tmp_path):
+    make_release(store, tmp_path)
+    r = pull_release(store, "m", tmp_path / "d", version="v1")
+    assert list(r.phases) == list(PHASES)
+    times = list(r.phases.values())
+    assert times == sorted(times) and times[0] >= 0 and times[-1] <= r.seconds + 1e-3  # rounded
+    again = pull_release(store, "m", tmp_path / "d", version="v1")
+    assert list(again.phases) == ["manifest", "installed"]
+
+
+def test_the_landing_marks_are_stamped_when_the_bytes_pass_them(monkeypatch):
+    clock = iter(range(100, 200))  # the module's clock only, not every caller's
+    monkeypatch.setattr(pull_module, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    stamp = pull_module._Stamps(100)
+    seen = []
+    inner = type("P", (), {"advance": lambda self, n: seen.append(n)})()
+    marked = pull_module._Marked(inner, 100, stamp)
+    for n in (10, 40, 10, 30, 10):  # landed: 10, 50, 60, 90, 100
+        marked.advance(n)
+    assert seen == [10, 40, 10, 30, 10]  # passed on as they came
+    # each mark at the first advance past it: 0 at the 1st (clock 100), half at the 3rd
+    # (the 2nd reaches 50, not past it), 90 % at the 5th
+    assert stamp.phases == {"first_range": 0, "half_landed": 1, "ninety_landed": 2}
 
 
 def test_pull_path_imports_no_torch():

@@ -270,6 +270,7 @@ def test_workers_install_every_byte_and_report_one_progress(store, tmp_path, mon
     for name, data in files.items():
         assert (r.path / "buckets/b1_s32" / name).read_bytes() == data
     assert sum(advanced) == r.downloaded_bytes + r.reused_bytes  # every child's bytes
+    assert list(r.phases) == list(pull_module.PHASES)  # the marks by the children's reports
     assert r.parts == sum(-(-len(d) // PART) for d in files.values()) + 1  # + config.json
     assert not list(r.path.rglob("*.incomplete")) and not _forked_children()
 

@@ -35,14 +35,15 @@ import math
 import os
 import random
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pipeline._cpus import CGROUP, usable_cpus
 from pipeline._files import atomic_write_bytes, sha256_file
-from pipeline._progress import byte_progress
+from pipeline._progress import ByteProgress, byte_progress
 from pipeline.install.fetcher import Fetcher, Verify
 from pipeline.install.installed import (
     CURRENT,
@@ -117,6 +118,8 @@ class PullResult:
     verify: str = "parts"
     signed_by: str | None = None  # the signing key's id, as stored
     signature: str = "not checked"  # "verified" against a trusted key, or "not checked"
+    # seconds from the call's start to each phase's end (``PHASES``; docs/pull.md "Output")
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def throughput(self) -> float:
@@ -125,6 +128,47 @@ class PullResult:
 
     def to_dict(self) -> dict:
         return {**self.__dict__, "path": str(self.path), "throughput": round(self.throughput)}
+
+
+# The phases a pull stamps, in order: the manifest read and checked (channel, manifest and
+# signature GETs); the fetch started (worker processes forked); the first range, half and
+# 90 % of the bytes to fetch landed (by the progress reports; a resumed range counts as
+# landed); every range landed; the release installed. Between the half and 90 % marks the
+# landing runs at its steady rate, so the marks show what its ramp and its tail cost
+# (``bench/bench_pull.py`` prints them: bench/RESULTS.md).
+PHASES = ("manifest", "fetch_started", "first_range", "half_landed", "ninety_landed",
+          "landed", "installed")  # fmt: skip
+_MARKS = (("first_range", 0.0), ("half_landed", 0.5), ("ninety_landed", 0.9))
+
+
+class _Stamps:
+    """A pull's phase stamps: seconds since ``start``."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.phases: dict[str, float] = {}
+
+    def __call__(self, phase: str) -> None:
+        self.phases[phase] = round(time.monotonic() - self.start, 4)
+
+
+class _Marked(ByteProgress):
+    """The progress reports passed on, stamping when the bytes landed pass each mark of
+    ``_MARKS`` (of ``to_fetch``). Called from the fetch's threads."""
+
+    def __init__(self, inner: ByteProgress, to_fetch: int, stamp: _Stamps) -> None:
+        super().__init__(None, None)
+        self.inner, self.to_fetch, self.stamp = inner, to_fetch, stamp
+        self.landed, self.next = 0, 0
+        self.lock = threading.Lock()
+
+    def advance(self, n: int) -> None:
+        self.inner.advance(n)
+        with self.lock:
+            self.landed += n
+            while self.next < len(_MARKS) and self.landed > _MARKS[self.next][1] * self.to_fetch:
+                self.stamp(_MARKS[self.next][0])
+                self.next += 1
 
 
 def pull_release(
@@ -145,9 +189,11 @@ def pull_release(
     before that is checked. ``processes``: worker processes to land the files in (None:
     ``default_processes``); ``concurrency`` is the ranges in flight across all of them."""
     start = time.monotonic()
+    stamp = _Stamps(start)
     cpus = None if concurrency and processes else available_cpus()  # the cgroup read once
     processes = processes or default_processes(store, cpus)
     release = read_verified(store, model, version=version, channel=channel, trust=trust)
+    stamp("manifest")
     manifest, raw, version = release.manifest, release.data, release.manifest.version
     sig = release.signature.model_dump_json(indent=2).encode() if release.signature else None
     files = release_files(manifest)  # refuses paths that leave the release directory
@@ -166,12 +212,13 @@ def pull_release(
     if (final / MANIFEST).is_file() and (final / MANIFEST).read_bytes() == raw:
         _install_signature(final, sig)  # signed since it was installed, or re-signed
         _point_current(model_dir, version)
-        return replace(result, seconds=time.monotonic() - start)
+        stamp("installed")
+        return replace(result, seconds=time.monotonic() - start, phases=stamp.phases)
 
     staging = model_dir / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
     _install_signature(staging, sig)
-    return _pull_into(store, staging, final, model_dir, files, raw, result, start, part_size)
+    return _pull_into(store, staging, final, model_dir, files, raw, result, stamp, part_size)
 
 
 def _install_signature(release_dir: Path, sig: bytes | None) -> None:
@@ -191,7 +238,7 @@ def _pull_into(
     files: list[tuple[str, FileRef]],
     raw: bytes,
     result: PullResult,
-    start: float,
+    stamp: _Stamps,
     part_size: int,
 ) -> PullResult:
     model, version, concurrency, verify = (
@@ -227,24 +274,28 @@ def _pull_into(
         processes = fetcher.started
     else:
         fetcher = Fetcher(store, concurrency, part_size, verify)
+    stamp("fetch_started")
     try:
         with byte_progress(f"pull {model} {version}", total) as progress:
             progress.advance(reused)
-            fetcher.fetch_all(fetch, progress)
+            fetcher.fetch_all(fetch, _Marked(progress, total - reused, stamp))
     finally:
         if isinstance(fetcher, WorkerProcesses):
             fetcher.close()
+    stamp("landed")
     have.update({ref.sha256: target for target, ref in fetch})
     for target, ref in copies:
         _link_or_copy(have[ref.sha256], target)
     (staging / MANIFEST).write_bytes(raw)
     _replace_dir(staging, final)
     _point_current(model_dir, version)
+    stamp("installed")
     return replace(
         result,
         downloaded_bytes=fetcher.downloaded,
         reused_bytes=reused + fetcher.resumed,
-        seconds=time.monotonic() - start,
+        seconds=time.monotonic() - stamp.start,
+        phases=stamp.phases,
         already_installed=False,
         processes=processes,
         parts=fetcher.parts,
