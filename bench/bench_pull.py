@@ -776,6 +776,7 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
         def cli_pull() -> None:  # the init container's command, its interpreter's start included
             code = "import sys; from pipeline.cli import main; sys.argv[0] = 'inf2-pipeline'; "
             code += "main()"
+            t = time.perf_counter()
             out = subprocess.run(
                 [sys.executable, "-c", code, "pull", "bench", "--version", "v1", "--store",
                  f"s3://{BUCKET}/store?addressing_style=path", "--dest", str(root / "pulled-cli"),
@@ -783,7 +784,9 @@ def bench_shape(args: argparse.Namespace, files: int) -> dict:
                 check=True, env={**os.environ, **env}, stdout=subprocess.PIPE,
                 cwd=Path(__file__).resolve().parent.parent,
             )  # fmt: skip
-            pulls_by_cli.append(json.loads(out.stdout))  # its phases
+            # its phases, and its wall clock: what is not pull_release is the process's
+            # start (interpreter, imports, the store's client) and its exit
+            pulls_by_cli.append({**json.loads(out.stdout), "wall_s": time.perf_counter() - t})
 
         def s5cmd_sha256() -> None:
             s5cmd()
@@ -1180,8 +1183,10 @@ def _phases_line(label: str, result: dict) -> dict:
                 f" s; steady {split['steady_gb_per_s']:.2f} GB/s; beyond it the head and tail "
                 f"took {lost:+.3f} s ({split['head_s']:+.3f}, {split['tail_s']:+.3f})"
             )
+        if "wall_s" in result and "installed" in phases:
+            line += f"; the process's start and exit {result['wall_s'] - phases['installed']:.3f} s"
         print(f"{label}: phases (last run, from pull_release's start) {line}", flush=True)
-    return {"phases": phases, "landing_split": split}
+    return {"phases": phases, "landing_split": split, "wall_s": result.get("wall_s")}
 
 
 def _run(fn, cleanup: Path | None) -> tuple[float, float]:
