@@ -34,7 +34,7 @@ def pull(
         typer.Option(
             min=1,
             max=256,
-            help="Ranged GETs in flight (default: 4 per available CPU, 8 to 32; 8 to 64 "
+            help="Ranged GETs in flight (default: 4 per available CPU, 8 to 32; 8 to 144 "
             "where every range is streamed: https on the pull's own GETs, part digests).",
             show_default=False,
         ),

@@ -70,9 +70,14 @@ MIN_CONCURRENCY, MAX_CONCURRENCY, THREADS_PER_CPU = 8, 32, 4
 # Where ranges stream (``Store.streams_ranges``: S3 over https) a range in flight holds
 # 1 MiB, not 16, so the cap is memory's no longer: at 16 GiB over TLS on 16 cores, 64 in
 # flight landed 64 files in 0.85-0.94x the time of 32 and 4 files in 0.94x, with 2-12 % less
-# CPU per GB and 33 MiB more peak memory; 128 was slower than 32 (bench/RESULTS.md,
-# thirty-third round).
-MAX_STREAMED_CONCURRENCY = 64
+# CPU per GB and 33 MiB more peak memory; 128 was slower than 32 there (bench/RESULTS.md,
+# thirty-third round), where nginx shares the cores and a connection is not the limit. On
+# S3 it is: AWS advises one request in flight for each 85-90 MB/s wanted ("Best Practices
+# Design Patterns: Optimizing Amazon S3 Performance", "Horizontal Scaling and Request
+# Parallelization"), so 64 fill ~5.6 GB/s, less than an inf2.24xlarge's 50 Gbps or an
+# inf2.48xlarge's 100 Gbps (12.5 GB/s: ~143 in flight). 4 per CPU reaches the cap at 36 CPUs;
+# a 16-CPU node keeps 64.
+MAX_STREAMED_CONCURRENCY = 144
 
 
 CGROUP_CPU_MAX = CGROUP / "cpu.max"  # cgroup v2's limit; v1's sits beside it (pipeline._cpus)
@@ -93,7 +98,7 @@ def default_processes(store: Store, cpus: int | None = None) -> int:
 
 
 def default_concurrency(cpus: int | None = None, *, streamed: bool = False) -> int:
-    """Ranges in flight: 4 per CPU, 8 to 32, or to 64 where ranges stream (``streamed``)."""
+    """Ranges in flight: 4 per CPU, 8 to 32, or to 144 where ranges stream (``streamed``)."""
     cpus = available_cpus() if cpus is None else cpus
     most = MAX_STREAMED_CONCURRENCY if streamed else MAX_CONCURRENCY
     return max(MIN_CONCURRENCY, min(most, THREADS_PER_CPU * cpus))
