@@ -1176,11 +1176,11 @@ def _phases_line(label: str, result: dict) -> dict:
     phases = result.get("phases") or {}
     split = landing_split(phases, result["downloaded_bytes"])
     if phases:
-        line = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in phases.items())
+        line = ", ".join(f"{k.replace('_', ' ')} {v:.3f}" for k, v in phases.items()) + " s"
         if split is not None:
             lost = split["head_s"] + split["tail_s"]
             line += (
-                f" s; steady {split['steady_gb_per_s']:.2f} GB/s; beyond it the head and tail "
+                f"; steady {split['steady_gb_per_s']:.2f} GB/s; beyond it the head and tail "
                 f"took {lost:+.3f} s ({split['head_s']:+.3f}, {split['tail_s']:+.3f})"
             )
         if "wall_s" in result and "installed" in phases:
