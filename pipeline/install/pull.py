@@ -193,8 +193,7 @@ def pull_release(
     whose manifest a trusted key signed (``pipeline.store.verified``); nothing is written
     before that is checked. ``processes``: worker processes to land the files in (None:
     ``default_processes``); ``concurrency`` is the ranges in flight across all of them."""
-    start = time.monotonic()
-    stamp = _Stamps(start)
+    stamp = _Stamps(time.monotonic())
     cpus = None if concurrency and processes else available_cpus()  # the cgroup read once
     processes = processes or default_processes(store, cpus)
     release = read_verified(store, model, version=version, channel=channel, trust=trust)
@@ -218,7 +217,7 @@ def pull_release(
         _install_signature(final, sig)  # signed since it was installed, or re-signed
         _point_current(model_dir, version)
         stamp("installed")
-        return replace(result, seconds=time.monotonic() - start, phases=stamp.phases)
+        return replace(result, seconds=time.monotonic() - stamp.start, phases=stamp.phases)
 
     staging = model_dir / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
